@@ -1,0 +1,48 @@
+"""The KV cache: one preallocated [B, S, Hkv, D] buffer per layer for K and for V, plus lengths.
+
+Static shapes (batch, capacity) are separate from traced counts (`lengths`). The model writes the
+K/V of new tokens at positions lengths[b] + t but never moves `lengths`: the caller decides how many
+of the written entries to keep (all of them for plain decoding, accepted + 1 after verification),
+so rejected drafts are dropped by lengths, never by copying the cache.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.config import ModelConfig
+
+
+@struct.dataclass
+class KVCache:
+  k: tuple[jax.Array, ...]   # per layer [B, S, Hkv, D]
+  v: tuple[jax.Array, ...]
+  lengths: jax.Array         # [B] int32: valid entries per sequence
+
+  @classmethod
+  def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> "KVCache":
+    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+               v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def batch(self) -> int:
+    return self.k[0].shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return self.k[0].shape[1]
+
+  def nbytes(self) -> int:
+    return sum(x.size * x.dtype.itemsize for x in self.k + self.v)
+
+
+def write(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """Scatter new [B, T, H, D] into cache_layer [B, S, H, D] at positions [B, T].
+
+  Positions past the capacity are dropped (prompt padding may run past the end of a short cache).
+  """
+  b = jnp.arange(new.shape[0])[:, None]
+  return cache_layer.at[b, positions].set(new.astype(cache_layer.dtype), mode="drop")

@@ -1,0 +1,138 @@
+"""One Flax NNX decoder for Llama 3 / SmolLM2, Qwen2/2.5 and Qwen3.
+
+Parameter paths mirror HF names (`layers/3/self_attn/q_proj/kernel` for
+`model.layers.3.self_attn.q_proj.weight`, transposed), so the weight mapping tables in
+`jaxspec.weights` stay one line per tensor.
+
+`Transformer.__call__(tokens, cache, plan)` runs T new tokens per sequence at positions
+cache.lengths + t, writes their K/V into the cache and returns the final hidden states, the updated
+cache and the per-layer criticality scores the plan asked for. `logits(hidden)` applies the LM head;
+callers pick the rows they need first, so a long prefill never materialises [B, T, vocab].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec import kv_cache as kvc
+from jaxspec.attention import AttentionPlan, attend
+from jaxspec.config import ModelConfig
+from jaxspec.rope import apply_rope, rope_tables
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, *, param_dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def _linear(cfg_in, cfg_out, bias, dtype, param_dtype, rngs):
+  return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                    kernel_init=nnx.initializers.normal(0.02))
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.cfg = cfg
+    hd, h = cfg.head_dim, cfg.hidden_size
+    self.q_proj = _linear(h, cfg.num_heads * hd, cfg.qkv_bias, dtype, param_dtype, rngs)
+    self.k_proj = _linear(h, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, param_dtype, rngs)
+    self.v_proj = _linear(h, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, param_dtype, rngs)
+    self.o_proj = _linear(cfg.num_heads * hd, h, False, dtype, param_dtype, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
+      self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
+
+  def __call__(self, x, cos, sin, positions, k_cache, v_cache, lengths, plan):
+    cfg = self.cfg
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache = kvc.write(k_cache, k, positions)
+    v_cache = kvc.write(v_cache, v, positions)
+    out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan)
+    return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache, scores
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _linear(h, i, False, dtype, param_dtype, rngs)
+    self.up_proj = _linear(h, i, False, dtype, param_dtype, rngs)
+    self.down_proj = _linear(i, h, False, dtype, param_dtype, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x, cos, sin, positions, k_cache, v_cache, lengths, plan):
+    a, k_cache, v_cache, scores = self.self_attn(
+        self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, lengths, plan)
+    x = x + a
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x, k_cache, v_cache, scores
+
+
+class Transformer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs):
+    param_dtype = dtype if param_dtype is None else param_dtype
+    self.cfg = cfg
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, param_dtype, rngs)
+
+  def __call__(self, tokens: jax.Array, cache: kvc.KVCache, plan: AttentionPlan
+               ) -> tuple[jax.Array, kvc.KVCache, jax.Array | None]:
+    """tokens [B, T] -> (hidden [B, T, H], cache with the new K/V written, scores [L, B, S] | None)."""
+    t = tokens.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    cos, sin = rope_tables(self.cfg, positions)
+    x = self.embed_tokens(tokens)
+    ks, vs, scores = [], [], []
+    for i, layer in enumerate(self.layers):
+      x, k, v, s = layer(x, cos, sin, positions, cache.k[i], cache.v[i], cache.lengths,
+                         plan.for_layer(i))
+      ks.append(k)
+      vs.append(v)
+      scores.append(s)
+    cache = cache.replace(k=tuple(ks), v=tuple(vs))
+    return self.norm(x), cache, (jnp.stack(scores) if scores[0] is not None else None)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """LM head in float32: [..., H] -> [..., vocab]."""
+    if self.cfg.tie_word_embeddings:
+      out = self.embed_tokens.attend(hidden)
+    else:
+      out = self.lm_head(hidden)
+    return out.astype(jnp.float32)
+
+
+def init_random(cfg: ModelConfig, *, dtype=jnp.float32, seed: int = 0) -> Transformer:
+  """A model with random weights (tests, and the random-weight scale benchmarks)."""
+  return Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig, *, dtype=jnp.bfloat16) -> Transformer:
+  """The model's structure with no memory behind it, to be filled by a weight loader."""
+  return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
