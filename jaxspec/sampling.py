@@ -1,0 +1,69 @@
+"""Sampling settings and the logits transforms shared by plain and speculative decoding.
+
+Speculative sampling is lossless only if the draft distribution q and the target distribution p go
+through the *same* transforms, so both call `probabilities` with the same `SamplingParams`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """temperature 0 = greedy. top_k 0 = off; top_p 1 = off; min_p 0 = off. Hashable (static)."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+
+  def __post_init__(self):
+    if not (self.temperature >= 0):
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+      raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+    if not (0 < self.top_p <= 1):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if not (0 <= self.min_p < 1):
+      raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0 or self.top_k == 1
+
+
+def filter_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """Temperature, then top-k, top-p, min-p (HF's order). Removed entries become -inf. [..., V] f32."""
+  x = logits.astype(jnp.float32) / max(sp.temperature, 1e-6)
+  if sp.top_k > 0 and sp.top_k < x.shape[-1]:
+    kth = jax.lax.top_k(x, sp.top_k)[0][..., -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if sp.top_p < 1.0:
+    # Keep the smallest set of top tokens whose mass reaches top_p (at least one token).
+    srt = jnp.sort(x, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(srt, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < sp.top_p
+    threshold = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x < threshold, -jnp.inf, x)
+  if sp.min_p > 0.0:
+    probs = jax.nn.softmax(x, axis=-1)
+    cut = sp.min_p * jnp.max(probs, axis=-1, keepdims=True)
+    x = jnp.where(probs < cut, -jnp.inf, x)
+  return x
+
+
+def probabilities(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """The distribution tokens are drawn from: one-hot argmax when greedy, else softmax(filtered)."""
+  if sp.greedy:
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(filter_logits(logits, sp), axis=-1)
+
+
+def sample(key: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """Draw one token per row of logits [..., V] -> int32 [...]."""
+  if sp.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, filter_logits(logits, sp), axis=-1).astype(jnp.int32)
