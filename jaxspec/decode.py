@@ -89,21 +89,22 @@ def prefill(model: Transformer, prompts: jax.Array, prompt_lens: jax.Array, cach
 
 def start_state(model: Transformer, prompts: jax.Array, prompt_lens: jax.Array, max_new: jax.Array,
                 capacity: int, max_new_buffer: int, key: jax.Array, sampling: SamplingParams,
-                stop_ids: tuple[int, ...], backend: str, cache_dtype, reserve: int = 1
-                ) -> tuple[DecodeState, jax.Array | None]:
-  """Prefill and sample the first new token. Also returns the prefill's criticality scores when
-  `reserve` > 1 is asked by a speculative caller (see `jaxspec.speculative`)."""
+                stop_ids: tuple[int, ...], backend: str, cache_dtype, reserve: int = 1,
+                score_kind: str | None = None) -> tuple[DecodeState, jax.Array | None]:
+  """Prefill and sample the first new token. With `score_kind` set (a speculative caller, see
+  `jaxspec.speculative`) also returns the prefill's criticality scores [L, B, S]: each prompt's
+  last token's row; else None."""
   b = prompts.shape[0]
   cache = KVCache.create(model.cfg, b, capacity, cache_dtype)
-  plan = AttentionPlan(mode="prefill", backend=backend)
-  logits, cache, _ = prefill(model, prompts, prompt_lens, cache, plan)
+  plan = AttentionPlan(mode="prefill", backend=backend, score_kind=score_kind)
+  logits, cache, scores = prefill(model, prompts, prompt_lens, cache, plan)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)
   state = DecodeState(cache=cache, last_token=first,
                       tokens=jnp.full((b, max_new_buffer), -1, jnp.int32),
                       num_new=jnp.zeros((b,), jnp.int32), max_new=max_new,
                       done=max_new <= 0, key=key)
-  return append_tokens(state, first[:, None], jnp.ones((b,), jnp.int32), stop_ids, reserve), None
+  return append_tokens(state, first[:, None], jnp.ones((b,), jnp.int32), stop_ids, reserve), scores
 
 
 def decode_step(model: Transformer, state: DecodeState, sampling: SamplingParams,
@@ -194,6 +195,7 @@ def make_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[
   if longest >= max_len:
     raise ValueError(f"prompt of {longest} tokens does not fit max_len={max_len} "
                      "(prompt + at least one new token); raise --max_len or shorten the prompt")
+  max_new = np.minimum(max_new, max_len - lens)   # max_len bounds prompt + new tokens
   t = min(bucket(longest), bucket(max_len))
   padded = np.zeros((n, t), np.int32)
   for i, p in enumerate(prompts):
@@ -206,12 +208,12 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int] = 128, sampling: SamplingParams = SamplingParams(),
              stop_ids: Sequence[int] = (), seed: int = 0, max_len: int | None = None,
              chunk: int = 64, cache_dtype=jnp.bfloat16, backend: str | None = None,
-             on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None
+             on_chunk: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
              ) -> tuple[list[list[int]], GenerationStats]:
   """Vanilla decoding of a batch of token-id prompts. Returns (new tokens per prompt, stats).
 
-  `on_chunk(tokens [B, N], num_new [B])` is called on the host after prefill and after every chunk
-  of `chunk` steps (for streaming).
+  `on_chunk(tokens [B, N], num_new [B], done [B])` is called on the host after prefill and after
+  every chunk of `chunk` steps (for streaming).
   """
   backend = backend or default_backend()
   batch = make_batch(prompts, max_new_tokens, max_len)
@@ -227,7 +229,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   stats = GenerationStats(prompt_tokens=int(batch.prompt_lens.sum()),
                           prefill_s=time.perf_counter() - t0)
   if on_chunk:
-    on_chunk(np.asarray(state.tokens), np.asarray(state.num_new))
+    on_chunk(*jax.device_get((state.tokens, state.num_new, state.done)))
   first_new = int(np.asarray(state.num_new).sum())
   t0 = time.perf_counter()
   while not bool(np.asarray(state.done).all()):
@@ -235,7 +237,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
                          stop_ids=stop_ids, backend=backend)
     stats.rounds += chunk
     if on_chunk:
-      on_chunk(np.asarray(state.tokens), np.asarray(state.num_new))
+      on_chunk(*jax.device_get((state.tokens, state.num_new, state.done)))
   jax.block_until_ready(state)
   stats.decode_s = time.perf_counter() - t0
   tokens, num_new = np.asarray(state.tokens), np.asarray(state.num_new)

@@ -1,0 +1,72 @@
+"""Shared benchmark plumbing: model shapes for random-weight runs, copy bandwidth, JSON output."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import ModelConfig
+
+# Public model-card shapes, for random-weight runs (step time only: acceptance needs real weights).
+SHAPES = {
+    "qwen3-8b": ModelConfig(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                            rms_norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+                            max_position_embeddings=131072),
+    "qwen2.5-coder-0.5b": ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=896,
+                                      intermediate_size=4864, num_layers=24, num_heads=14,
+                                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                                      qkv_bias=True, tie_word_embeddings=True),
+    "qwen2.5-coder-1.5b": ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=1536,
+                                      intermediate_size=8960, num_layers=28, num_heads=12,
+                                      num_kv_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                                      qkv_bias=True, tie_word_embeddings=True),
+}
+
+
+def device_name() -> str:
+  d = jax.devices()[0]
+  return getattr(d, "device_kind", str(d))
+
+
+def git_commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True, cwd=os.path.dirname(__file__)).stdout.strip()
+  except Exception:  # the GPU machine's copy may carry no .git
+    return os.environ.get("JAXSPEC_COMMIT", "unknown")
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10) -> float:
+  """Median wall seconds of fn() with the device synchronised around each call."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+  """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
+  f = jax.jit(lambda a: -a)  # a real read + write kernel (a plain copy may be elided)
+  t = time_fn(lambda: f(x), warmup=3, reps=20)
+  del x
+  return 2 * nbytes / t
+
+
+def write_json(path: str, payload: dict) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(payload, f, indent=1)
+  os.replace(tmp, path)

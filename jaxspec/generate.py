@@ -1,0 +1,129 @@
+"""`python -m jaxspec.generate`: generate text with vanilla or self-speculative decoding.
+
+  python -m jaxspec.generate --prompt "Write a haiku about JAX" --chat
+  python -m jaxspec.generate --model=qwen2.5-coder-0.5b --prompt_file=prompts.txt --temperature=0.6
+  python -m jaxspec.generate --method=vegas --gamma=6 --sparsity=0.07 --min_tokens=256 --prompt "..."
+
+Text goes to stdout (streamed per chunk of decode steps for a single prompt; for a batch, each
+completion is printed when it finishes), one stats line to stderr.
+"""
+from __future__ import annotations
+
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from jaxspec.sampling import SamplingParams
+
+METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m",
+                             "orbax checkpoint dir, HF dir, .gguf file or demo name "
+                             "(smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)")
+_PROMPT = flags.DEFINE_string("prompt", None, "the prompt")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "a file with one prompt per line (a batch)")
+_CHAT = flags.DEFINE_bool("chat", False, "wrap each prompt in the model's chat template")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "new tokens per prompt, at most")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off")
+_MIN_P = flags.DEFINE_float("min_p", 0.0, "0 = off")
+_SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights, activations, cache")
+_MAX_LEN = flags.DEFINE_integer("max_len", None, "cache slots per sequence (prompt + new tokens); "
+                                "default: longest prompt + max_new_tokens")
+_METHOD = flags.DEFINE_enum("method", "none", list(METHODS), "decoding method (none = vanilla)")
+_GAMMA = flags.DEFINE_integer("gamma", 6, "draft tokens per round (speculative methods)")
+_SPARSITY = flags.DEFINE_float("sparsity", 0.07, "fraction of the KV cache drafts attend to")
+_MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting")
+_SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas criticality scores")
+
+
+def read_prompts() -> list[str]:
+  if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
+    raise app.UsageError("give exactly one of --prompt or --prompt_file")
+  if _PROMPT.value is not None:
+    return [_PROMPT.value]
+  try:
+    with open(_PROMPT_FILE.value) as f:
+      prompts = [line.rstrip("\n") for line in f if line.strip()]
+  except OSError as e:
+    raise app.UsageError(f"cannot read --prompt_file: {e}") from e
+  if not prompts:
+    raise app.UsageError(f"--prompt_file {_PROMPT_FILE.value} has no prompts")
+  return prompts
+
+
+class TextStreamer:
+  """Prints each sequence's text as tokens arrive (one prompt) or when it finishes (a batch)."""
+
+  def __init__(self, tokenizer, n: int, stop_ids: set[int]):
+    self.tok, self.n, self.stop_ids = tokenizer, n, stop_ids
+    self.printed = [""] * n
+    self.finished = [False] * n
+
+  def text(self, ids) -> str:
+    return self.tok.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
+
+  def __call__(self, tokens: np.ndarray, num_new: np.ndarray, done: np.ndarray | None = None):
+    for i in range(self.n):
+      ids = tokens[i, :num_new[i]].tolist()
+      if self.n == 1:
+        text = self.text(ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next chunk
+          continue
+        sys.stdout.write(text[len(self.printed[0]):])
+        sys.stdout.flush()
+        self.printed[0] = text
+      elif done is not None and done[i] and not self.finished[i]:
+        self.finished[i] = True
+        sys.stdout.write(f"=== [{i}] ===\n{self.text(ids)}\n")
+        sys.stdout.flush()
+
+  def finish(self, outputs: list[list[int]]):
+    for i, ids in enumerate(outputs):
+      if self.n == 1:
+        sys.stdout.write(self.text(ids)[len(self.printed[0]):] + "\n")
+      elif not self.finished[i]:
+        sys.stdout.write(f"=== [{i}] ===\n{self.text(ids)}\n")
+    sys.stdout.flush()
+
+
+def main(argv):
+  del argv
+  from jaxspec.loading import apply_chat_template, load_model
+  try:
+    sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  prompts = read_prompts()
+  dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
+  loaded = load_model(_MODEL.value, dtype=dtype)
+  tok = loaded.tokenizer
+  texts = [apply_chat_template(tok, p) for p in prompts] if _CHAT.value else prompts
+  ids = [tok.encode(t, add_special_tokens=not _CHAT.value) for t in texts]
+  stop_ids = set(loaded.cfg.eos_token_ids)
+  if tok.eos_token_id is not None:
+    stop_ids.add(tok.eos_token_id)
+  streamer = TextStreamer(tok, len(ids), stop_ids)
+  common = dict(max_new_tokens=_MAX_NEW.value, sampling=sampling, stop_ids=tuple(stop_ids),
+                seed=_SEED.value, max_len=_MAX_LEN.value, cache_dtype=dtype, on_chunk=streamer)
+  try:
+    if _METHOD.value == "none":
+      from jaxspec.decode import generate
+      outputs, stats = generate(loaded.model, ids, **common)
+    else:
+      from jaxspec.speculative import speculative_generate
+      outputs, stats = speculative_generate(
+          loaded.model, ids, method=_METHOD.value, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
+          min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, **common)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  streamer.finish(outputs)
+  print(f"[jaxspec] method {_METHOD.value} | " + stats.line(), file=sys.stderr)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,130 @@
+"""The vanilla decode loop: cached decoding vs full forward, batching, sampling, stops, errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.attention import AttentionPlan
+from jaxspec.config import ModelConfig
+from jaxspec.decode import generate, make_batch
+from jaxspec.kv_cache import KVCache
+from jaxspec.model import init_random
+from jaxspec.sampling import SamplingParams, filter_logits
+
+CFG = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope_theta=1000.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return init_random(CFG, dtype=jnp.float32, seed=3)
+
+
+def full_logits(model, tokens):
+  """Logits of one sequence from a single full-sequence forward pass."""
+  t = jnp.asarray([tokens], jnp.int32)
+  cache = KVCache.create(CFG, 1, len(tokens), jnp.float32)
+  hidden, _, _ = model(t, cache, AttentionPlan(mode="prefill"))
+  return np.asarray(model.logits(hidden)[0])
+
+
+def gen(model, prompts, **kw):
+  kw.setdefault("cache_dtype", jnp.float32)
+  kw.setdefault("chunk", 5)
+  return generate(model, prompts, **kw)
+
+
+def test_cached_decoding_matches_full_forward(model):
+  prompt = [5, 17, 3, 88, 41, 9, 60]
+  out, stats = gen(model, [prompt], max_new_tokens=12)
+  assert len(out[0]) == 12 and stats.new_tokens == 11
+  logits = full_logits(model, prompt + out[0])
+  # Every greedy token is the argmax of the full forward at the previous position.
+  np.testing.assert_array_equal(logits[len(prompt) - 1:-1].argmax(-1), out[0])
+
+
+def test_step_logits_match_full_forward(model):
+  tokens = [5, 17, 3, 88, 41, 9, 60, 2, 71]
+  ref = full_logits(model, tokens)
+  cache = KVCache.create(CFG, 1, 16, jnp.float32)
+  hidden, cache, _ = model(jnp.asarray([tokens[:4]]), cache, AttentionPlan(mode="prefill"))
+  steps = [np.asarray(model.logits(hidden[0, -1]))]
+  cache = cache.replace(lengths=cache.lengths + 4)
+  for t in tokens[4:-1]:
+    hidden, cache, _ = model(jnp.asarray([[t]]), cache, AttentionPlan(mode="dense"))
+    cache = cache.replace(lengths=cache.lengths + 1)
+    steps.append(np.asarray(model.logits(hidden[0, 0])))
+  np.testing.assert_allclose(np.stack(steps), ref[3:-1], rtol=1e-4, atol=1e-4)
+
+
+def test_batch_of_different_lengths_equals_each_alone(model):
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30]]
+  max_new = [6, 9, 4]
+  together, _ = gen(model, prompts, max_new_tokens=max_new)
+  for p, n, got in zip(prompts, max_new, together):
+    alone, _ = gen(model, [p], max_new_tokens=n)
+    assert alone[0] == got
+    assert len(got) == n
+
+
+def test_seeded_sampling_is_reproducible(model):
+  sp = SamplingParams(temperature=1.0, top_p=0.95)
+  a, _ = gen(model, [[1, 2, 3]] * 4, max_new_tokens=10, sampling=sp, seed=7)
+  b, _ = gen(model, [[1, 2, 3]] * 4, max_new_tokens=10, sampling=sp, seed=7)
+  c, _ = gen(model, [[1, 2, 3]] * 4, max_new_tokens=10, sampling=sp, seed=8)
+  assert a == b
+  assert a != c
+  assert len({tuple(x) for x in a}) > 1  # rows of one batch draw different samples
+
+
+def test_top_k_one_equals_greedy(model):
+  greedy, _ = gen(model, [[9, 8, 7]], max_new_tokens=10)
+  topk1, _ = gen(model, [[9, 8, 7]], max_new_tokens=10,
+                 sampling=SamplingParams(temperature=1.3, top_k=1), seed=5)
+  assert greedy == topk1
+
+
+def test_stop_token_ends_sequence_and_is_kept(model):
+  out, _ = gen(model, [[5, 17, 3]], max_new_tokens=12)
+  stop = out[0][4]
+  first = out[0].index(stop)
+  stopped, _ = gen(model, [[5, 17, 3], [1, 2]], max_new_tokens=12, stop_ids=[stop])
+  assert stopped[0] == out[0][:first + 1]
+
+
+def test_cache_full_stops_generation(model):
+  # max_len caps prompt + new tokens per sequence.
+  out, _ = gen(model, [[1, 2, 3], [4] * 12], max_new_tokens=500, max_len=20)
+  assert [len(o) for o in out] == [17, 8]
+
+
+def test_filter_logits_definitions():
+  logits = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+  kept = lambda sp: np.isfinite(np.asarray(filter_logits(logits, sp)))[0].tolist()
+  assert kept(SamplingParams(1.0, top_k=2)) == [True, True, False, False, False]
+  # Smallest top set with mass >= 0.8: 0.5 + 0.2 + 0.15.
+  assert kept(SamplingParams(1.0, top_p=0.8)) == [True, True, True, False, False]
+  assert kept(SamplingParams(1.0, top_p=0.7)) == [True, True, False, False, False]
+  # min_p keeps p >= 0.25 * 0.5.
+  assert kept(SamplingParams(1.0, min_p=0.25)) == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(min_p=1.0), "min_p"),
+])
+def test_invalid_sampling_values(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingParams(**kwargs)
+
+
+def test_bad_batches():
+  with pytest.raises(ValueError, match="max_len"):
+    make_batch([[1] * 30], 4, max_len=30)
+  with pytest.raises(ValueError, match="at least one token"):
+    make_batch([[1], []], 4)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    make_batch([[1]], 0)
