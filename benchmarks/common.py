@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
+from jaxspec.decode import DecodeState
+from jaxspec.kv_cache import KVCache
+from jaxspec.model import init_random
 
 # Public model-card shapes, for random-weight runs (step time only: acceptance needs real weights).
 SHAPES = {
@@ -60,7 +63,6 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
   x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
   f = jax.jit(lambda a: -a)  # a real read + write kernel (a plain copy may be elided)
   t = time_fn(lambda: f(x), warmup=3, reps=20)
-  del x
   return 2 * nbytes / t
 
 
@@ -70,3 +72,25 @@ def write_json(path: str, payload: dict) -> None:
   with open(tmp, "w") as f:
     json.dump(payload, f, indent=1)
   os.replace(tmp, path)
+
+
+def load(spec: str):
+  if spec.startswith("random:"):
+    return init_random(SHAPES[spec.split(":", 1)[1]], dtype=jnp.bfloat16), "random weights"
+  from jaxspec.loading import load_model
+  return load_model(spec, dtype=jnp.bfloat16).model, "real weights"
+
+
+def filled_state(cfg, batch: int, context: int, capacity: int, steps_total: int, seed: int = 0):
+  """A decode state whose cache holds `context` random tokens per sequence."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * cfg.num_layers)
+  shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+  fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16))
+  ks = tuple(fill(k) for k in keys[:cfg.num_layers])
+  vs = tuple(fill(k) for k in keys[cfg.num_layers:])
+  cache = KVCache(k=ks, v=vs, lengths=jnp.full((batch,), context, jnp.int32))
+  return DecodeState(cache=cache, last_token=jnp.ones((batch,), jnp.int32),
+                     tokens=jnp.full((batch, steps_total + 1), -1, jnp.int32),
+                     num_new=jnp.zeros((batch,), jnp.int32),
+                     max_new=jnp.full((batch,), steps_total + 1, jnp.int32),
+                     done=jnp.zeros((batch,), bool), key=jax.random.PRNGKey(seed))

@@ -13,16 +13,14 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from benchmarks.common import SHAPES, copy_bandwidth, device_name, git_commit, time_fn, write_json
+from benchmarks.common import (copy_bandwidth, device_name, filled_state, git_commit, load,
+                               time_fn, write_json)
 from jaxspec.attention import default_backend
-from jaxspec.decode import DecodeState, decode_chunk
-from jaxspec.kv_cache import KVCache
-from jaxspec.model import init_random
+from jaxspec.decode import decode_chunk
 from jaxspec.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "random:qwen2.5-coder-0.5b",
@@ -33,28 +31,6 @@ _STEPS = flags.DEFINE_integer("steps", 32, "decode steps per timed call")
 _REPS = flags.DEFINE_integer("reps", 5, "timed calls (median)")
 _BACKEND = flags.DEFINE_string("backend", None, "attention backend (default: pallas on GPU)")
 _OUT = flags.DEFINE_string("out", "benchmarks/out/decode.json", "JSON results")
-
-
-def load(spec: str):
-  if spec.startswith("random:"):
-    return init_random(SHAPES[spec.split(":", 1)[1]], dtype=jnp.bfloat16), "random weights"
-  from jaxspec.loading import load_model
-  return load_model(spec, dtype=jnp.bfloat16).model, "real weights"
-
-
-def filled_state(cfg, batch: int, context: int, capacity: int, steps_total: int, seed: int = 0):
-  """A decode state whose cache holds `context` random tokens per sequence."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * cfg.num_layers)
-  shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-  fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16))
-  ks = tuple(fill(k) for k in keys[:cfg.num_layers])
-  vs = tuple(fill(k) for k in keys[cfg.num_layers:])
-  cache = KVCache(k=ks, v=vs, lengths=jnp.full((batch,), context, jnp.int32))
-  return DecodeState(cache=cache, last_token=jnp.ones((batch,), jnp.int32),
-                     tokens=jnp.full((batch, steps_total + 1), -1, jnp.int32),
-                     num_new=jnp.zeros((batch,), jnp.int32),
-                     max_new=jnp.full((batch,), steps_total + 1, jnp.int32),
-                     done=jnp.zeros((batch,), bool), key=jax.random.PRNGKey(seed))
 
 
 def main(argv):
@@ -90,7 +66,7 @@ def main(argv):
                    weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9,
                    achieved_gbps=(weight_bytes + kv_bytes) / t / 1e9, floor_ms=floor * 1e3,
                    step_over_floor=t / floor)
-        del state, holder
+        state = holder = None  # free this case's cache before the next one
       except Exception as e:  # keep the other cases (e.g. out of memory at the largest)
         row = dict(batch=b, context=ctx, error=f"{type(e).__name__}: {str(e)[:300]}")
       rows.append(row)

@@ -1,0 +1,129 @@
+"""Continuous batching for the benchmarks: one method's engine and the serving loop (no flags)."""
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxspec import decode, selection, speculative
+from jaxspec.batching import insert_slot
+
+
+class Engine:
+  """One method's prefill / chunk / refill functions over a fixed batch of slots."""
+
+  def __init__(self, model, method, gamma, sampling, stop_ids, capacity_len, backend, *,
+               sparsity: float, min_tokens: int, score_kind: str = "logits"):
+    self.method, self.gamma = method, gamma
+    self.graphdef, self.params = nnx.split(model)
+    self.sampling, self.stop_ids, self.backend = sampling, stop_ids, backend
+    self.max_len = capacity_len
+    self.spare = gamma + 1 if method != "none" else 1
+    self.config = None
+    if method != "none":
+      cap = decode.make_batch([[0]], 1, capacity_len, spare=self.spare).capacity
+      policy = selection.make_policy(
+          method, ratio=sparsity, min_tokens=min_tokens,
+          k_max=selection.static_k_max(cap, sparsity, min_tokens), score_kind=score_kind)
+      self.config = speculative.SpecConfig(policy=policy, gamma=gamma, sampling=sampling,
+                                           stop_ids=stop_ids, backend=backend)
+
+  def prefill(self, prompts, max_new, seed):
+    batch = decode.make_batch(prompts, max_new, self.max_len, spare=self.spare)
+    args = (self.graphdef, self.params, jnp.asarray(batch.prompts), jnp.asarray(batch.prompt_lens),
+            jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
+    if self.config is None:
+      return decode.prefill_state(*args, capacity=batch.capacity, max_new_buffer=max_new,
+                                  sampling=self.sampling, stop_ids=self.stop_ids,
+                                  backend=self.backend, cache_dtype=jnp.bfloat16,
+                                  reserve=self.spare)
+    return speculative.speculative_prefill(*args, capacity=batch.capacity, max_new_buffer=max_new,
+                                           cache_dtype=jnp.bfloat16, config=self.config)
+
+  def chunk(self, state, rounds):
+    if self.config is None:
+      return decode.decode_chunk(self.graphdef, self.params, state, steps=rounds,
+                                 sampling=self.sampling, stop_ids=self.stop_ids, backend=self.backend)
+    return speculative.speculative_chunk(self.graphdef, self.params, state, rounds=rounds,
+                                         config=self.config)
+
+  def progress(self, state):
+    """(num_new [B], done [B], accept histogram summed over slots or None)."""
+    ds = state if self.config is None else state.decode
+    hist = None if self.config is None else state.accept_hist.sum(0)
+    return jax.device_get((ds.num_new, ds.done, hist))
+
+
+def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *, chunk: int,
+          warmup_s: float, measure_s: float, seed: int = 0) -> dict:
+  """Continuous batching over the request stream; returns the measured window's numbers."""
+  queue = collections.deque(range(len(prompts)))
+  first = [queue.popleft() for _ in range(batch)]
+  state = engine.prefill([prompts[i] for i in first], max_new, seed)
+  num_new, done, hist = engine.progress(state)
+  # Compile the chunk and the one-prompt refill before the clock starts.
+  t_compile = time.perf_counter()
+  state = engine.chunk(state, chunk)
+  jax.block_until_ready(engine.prefill([prompts[first[0]]], max_new, 1))
+  num_new, done, hist = engine.progress(state)
+  t_compile = time.perf_counter() - t_compile
+  counted = dict(tokens=0, seconds=0.0, refill_s=0.0, rounds=0, finished=0)
+  hist_window = None
+  t_start = time.perf_counter()
+  measuring, t_measure = False, 0.0
+  bar = tqdm(total=warmup_s + measure_s, desc=engine.method, unit="s", file=sys.stderr,
+             bar_format="{desc}: {n:.0f}/{total:.0f} s {postfix}")
+  while True:
+    t0 = time.perf_counter()
+    state = engine.chunk(state, chunk)
+    new_num, done, new_hist = engine.progress(state)
+    produced = int((new_num - num_new).sum())
+    refill_s = 0.0
+    for slot in np.flatnonzero(done):
+      if not queue:
+        break
+      counted["finished"] += measuring
+      req = queue.popleft()
+      r0 = time.perf_counter()
+      fresh = engine.prefill([prompts[req]], max_new, seed + req)
+      state = insert_slot(state, fresh, jnp.int32(slot))
+      refill_s += time.perf_counter() - r0
+    if refill_s:
+      new_num, done, _ = engine.progress(state)   # refilled slots restart their counts
+    t2 = time.perf_counter()
+    if measuring:
+      counted["tokens"] += produced
+      counted["seconds"] += t2 - t0
+      counted["refill_s"] += refill_s
+      counted["rounds"] += chunk
+      if new_hist is not None:
+        hist_window = new_hist - hist if hist_window is None else hist_window + (new_hist - hist)
+    num_new, hist = new_num, new_hist
+    elapsed = t2 - t_start
+    bar.n = min(elapsed, bar.total)
+    bar.set_postfix_str(f"{counted['tokens'] / max(counted['seconds'], 1e-9):.0f} tok/s"
+                        if measuring else "warming up")
+    bar.refresh()
+    if not measuring and elapsed >= warmup_s:
+      measuring, t_measure = True, t2
+    if measuring and t2 - t_measure >= measure_s:
+      break
+    if not queue and done.all():
+      break
+  bar.close()
+  out = dict(method=engine.method, gamma=engine.gamma, compile_s=t_compile,
+             measured_s=counted["seconds"], tokens=counted["tokens"],
+             tokens_per_s=counted["tokens"] / counted["seconds"] if counted["seconds"] else None,
+             decode_only_tokens_per_s=(counted["tokens"] / (counted["seconds"] - counted["refill_s"])
+                                       if counted["seconds"] > counted["refill_s"] else None),
+             refill_share=counted["refill_s"] / counted["seconds"] if counted["seconds"] else None,
+             requests_finished=counted["finished"])
+  if hist_window is not None:
+    out.update(speculative.acceptance_summary(hist_window[None]))
+  return out

@@ -1,0 +1,143 @@
+"""Vegas's three-step tuning (paper §3.4) and the plots of its Fig. 8 and Fig. 13.
+
+  python -m benchmarks.sweep --model=qwen2.5-coder-0.5b --workload=long --batch=16
+
+1. Sweep the sparsity ratio at a large gamma (--big_gamma) on one batch of prompts; keep the
+   smallest ratio whose mean accepted tokens per round is within --tolerance of the best.
+2. At that ratio, sweep gamma for steady-state throughput (continuous batching, as throughput.py).
+3. At that gamma, refine the ratio (x0.5, x0.75, x1.5 of step 1's) for throughput.
+Prints the chosen (gamma, ratio); writes JSON and two PNGs: accepted tokens vs sparsity (Fig. 8)
+and throughput over gamma x sparsity (Fig. 13; cells not measured are blank).
+With --grid, step 2 and 3 measure the whole gamma x ratio grid instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from benchmarks import workloads
+from benchmarks.common import device_name, git_commit, write_json
+from benchmarks.serving import Engine, serve
+from jaxspec import speculative
+from jaxspec.attention import default_backend
+from jaxspec.sampling import SamplingParams
+
+_MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec")
+_WORKLOAD = flags.DEFINE_enum("workload", "long", ["short", "long"], "see throughput.py")
+_METHOD = flags.DEFINE_string("method", "vegas", "the method tuned")
+_RATIOS = flags.DEFINE_list("ratios", ["0.01", "0.02", "0.03", "0.05", "0.07", "0.1", "0.15"],
+                            "step 1 sparsity ratios")
+_GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8", "10"], "step 2 gammas")
+_BIG_GAMMA = flags.DEFINE_integer("big_gamma", 10, "gamma for step 1")
+_TOL = flags.DEFINE_float("tolerance", 0.03, "step 1: within this fraction of the best acceptance")
+_MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
+_BATCH = flags.DEFINE_integer("batch", 16, "slots")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 512, "tokens per request")
+_PROMPT_MIN = flags.DEFINE_integer("prompt_min_tokens", 16384, "long workload")
+_PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", 32768, "long workload")
+_REQUESTS = flags.DEFINE_integer("num_requests", 128, "requests in the stream")
+_WARMUP = flags.DEFINE_float("warmup_s", 5.0, "seconds before each throughput window")
+_MEASURE = flags.DEFINE_float("measure_s", 15.0, "seconds per throughput window")
+_CHUNK = flags.DEFINE_integer("chunk_rounds", 8, "rounds per compiled call")
+_GRID = flags.DEFINE_bool("grid", False, "measure the whole gamma x ratio grid in steps 2-3")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "")
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "")
+_TOP_K = flags.DEFINE_integer("top_k", 20, "")
+_OUT = flags.DEFINE_string("out", "benchmarks/out/sweep", "output prefix (.json, _fig8.png, _fig13.png)")
+
+
+def plot(acc: dict[float, float], tput: dict[tuple[int, float], float], prefix: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ratios = sorted(acc)
+  fig, ax = plt.subplots(figsize=(4.5, 3.2))
+  ax.plot([100 * r for r in ratios], [acc[r] for r in ratios], "o-")
+  ax.set_xlabel("sparsity ratio (% of KV entries)")
+  ax.set_ylabel("accepted tokens / round")
+  ax.set_title(f"{_METHOD.value}, gamma={_BIG_GAMMA.value}")
+  fig.tight_layout()
+  fig.savefig(prefix + "_fig8.png", dpi=110)
+  gammas = sorted({g for g, _ in tput})
+  rs = sorted({r for _, r in tput})
+  grid = np.full((len(gammas), len(rs)), np.nan)
+  for (g, r), v in tput.items():
+    grid[gammas.index(g), rs.index(r)] = v
+  fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(rs), 1.0 + 0.5 * len(gammas)))
+  im = ax.imshow(grid, cmap="viridis", aspect="auto")
+  ax.set_xticks(range(len(rs)), [f"{100 * r:g}%" for r in rs])
+  ax.set_yticks(range(len(gammas)), [str(g) for g in gammas])
+  ax.set_xlabel("sparsity ratio")
+  ax.set_ylabel("gamma")
+  for i in range(len(gammas)):
+    for j in range(len(rs)):
+      if np.isfinite(grid[i, j]):
+        ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color="w", fontsize=8)
+  fig.colorbar(im, label="tokens/s")
+  fig.tight_layout()
+  fig.savefig(prefix + "_fig13.png", dpi=110)
+
+
+def main(argv):
+  del argv
+  from jaxspec.loading import load_model
+  backend = default_backend()
+  loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
+  tok = loaded.tokenizer
+  if _WORKLOAD.value == "short":
+    prompts = workloads.short_prompts(tok, _REQUESTS.value)
+  else:
+    prompts = workloads.long_prompts(tok, _REQUESTS.value, _PROMPT_MIN.value, _PROMPT_MAX.value)
+  stop_ids = tuple(sorted(set(loaded.cfg.eos_token_ids) | {tok.eos_token_id} - {None}))
+  sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+  capacity_len = max(len(p) for p in prompts) + _MAX_NEW.value
+  ratios = [float(r) for r in _RATIOS.value]
+  gammas = [int(g) for g in _GAMMAS.value]
+
+  acc = {}
+  for r in ratios:   # step 1
+    _, stats = speculative.speculative_generate(
+        loaded.model, prompts[:_BATCH.value], method=_METHOD.value, gamma=_BIG_GAMMA.value,
+        sparsity=r, min_tokens=_MIN_TOKENS.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
+        stop_ids=stop_ids, max_len=capacity_len, backend=backend)
+    acc[r] = stats.extra["mean_accepted_tokens"]
+    print(f"step 1: ratio {r:g}: {acc[r]:.2f} accepted tokens / round", file=sys.stderr)
+  best = max(acc.values())
+  ratio = min(r for r in ratios if acc[r] >= (1 - _TOL.value) * best)
+
+  tput = {}
+
+  def measure(g, r):
+    if (g, r) not in tput:
+      eng = Engine(loaded.model, _METHOD.value, g, sampling, stop_ids, capacity_len, backend,
+                   sparsity=r, min_tokens=_MIN_TOKENS.value)
+      row = serve(eng, prompts, _BATCH.value, _MAX_NEW.value, chunk=_CHUNK.value,
+                  warmup_s=_WARMUP.value, measure_s=_MEASURE.value)
+      tput[(g, r)] = row["tokens_per_s"]
+      print(f"gamma {g}, ratio {r:g}: {tput[(g, r)]:.1f} tok/s", file=sys.stderr)
+    return tput[(g, r)]
+
+  refine = sorted({ratio * f for f in (0.5, 0.75, 1.0, 1.5) if 0 < ratio * f <= 1})
+  if _GRID.value:
+    for g in gammas:
+      for r in sorted(set(ratios) | set(refine)):
+        measure(g, r)
+  gamma = max(gammas, key=lambda g: measure(g, ratio))         # step 2
+  ratio = max(refine, key=lambda r: measure(gamma, r))         # step 3
+  print(f"chosen: gamma={gamma} ratio={ratio:g} ({tput[(gamma, ratio)]:.1f} tok/s)")
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  write_json(_OUT.value + ".json", dict(
+      device=device_name(), commit=git_commit(), model=_MODEL.value, workload=_WORKLOAD.value,
+      method=_METHOD.value, batch=_BATCH.value, argv=" ".join(sys.argv),
+      step1_accepted={str(r): v for r, v in acc.items()},
+      throughput=[dict(gamma=g, ratio=r, tokens_per_s=v) for (g, r), v in tput.items()],
+      chosen=dict(gamma=gamma, ratio=ratio)))
+  plot(acc, tput, _OUT.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,167 @@
+"""Steady-state decode throughput with continuous batching, several methods in one run.
+
+  python -m benchmarks.throughput --model=qwen2.5-coder-0.5b --workload=short --batch=64 \
+      --methods=none,streaming,quest,specextend,vegas-all,vegas --gammas=vegas=6,default=4
+  python -m benchmarks.throughput --model=qwen2.5-coder-0.5b --workload=long --batch=16
+  python -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4
+
+Workloads: `short` (AIME25 + GSM8K with the chat template, --max_new_tokens 4096), `long` (16K-32K
+token Frankenstein passages + a question, --max_new_tokens 1024), `scale` (random weights, a cache
+filled to --context tokens: time per step / round only; acceptance means nothing on random weights).
+
+For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
+boundary (every --chunk_rounds rounds) its slot is refilled with the next request (prefill of one
+prompt + `jaxspec.batching.insert_slot`). After --warmup_s seconds the harness counts, over
+--measure_s seconds, the tokens produced and the wall time (refill prefills included, as a serving
+engine's throughput counter would; decode-only throughput is reported too), the mean accepted
+tokens per round, and (--profile) the drafting / verification / selection time shares from
+`speculative.profile_rounds` on one batch of the same prompts. Same prompts and seed for all methods.
+"""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from benchmarks import workloads
+from benchmarks.common import (copy_bandwidth, device_name, filled_state, git_commit, load,
+                               time_fn, write_json)
+from benchmarks.serving import Engine, serve
+from jaxspec import decode, speculative
+from jaxspec.attention import default_backend
+from jaxspec.sampling import SamplingParams
+
+_MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
+_WORKLOAD = flags.DEFINE_enum("workload", "short", ["short", "long", "scale"], "see module doc")
+_METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
+                                         "vegas"], "methods to run, in order")
+_GAMMAS = flags.DEFINE_list("gammas", ["vegas=6", "default=4"],
+                            "gamma per method: method=g entries and default=g")
+_SPARSITY = flags.DEFINE_float("sparsity", 0.07, "KV ratio for drafting")
+_MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
+_SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
+_BATCH = flags.DEFINE_integer("batch", 64, "decode slots")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "per request (default 4096 short, 1024 long)")
+_PROMPT_MIN = flags.DEFINE_integer("prompt_min_tokens", 16384, "long workload: shortest passage")
+_PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", 32768, "long workload: longest passage")
+_CONTEXT = flags.DEFINE_integer("context", 131072, "scale workload: tokens in the cache")
+_REQUESTS = flags.DEFINE_integer("num_requests", 512, "requests in the stream (cycled data)")
+_WARMUP = flags.DEFINE_float("warmup_s", 20.0, "seconds before measuring (compile excluded)")
+_MEASURE = flags.DEFINE_float("measure_s", 40.0, "seconds measured per method")
+_CHUNK = flags.DEFINE_integer("chunk_rounds", 8, "rounds (or steps) per compiled call")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling (the paper's Qwen3 settings)")
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "")
+_TOP_K = flags.DEFINE_integer("top_k", 20, "")
+_SEED = flags.DEFINE_integer("seed", 0, "")
+_PROFILE = flags.DEFINE_bool("profile", True, "measure phase time shares (speculative methods)")
+_OUT = flags.DEFINE_string("out", None, "JSON path (default benchmarks/out/throughput_<workload>.json)")
+
+
+def gamma_for(method: str) -> int:
+  table = dict(entry.split("=") for entry in _GAMMAS.value)
+  return int(table.get(method, table.get("default", 4)))
+
+
+def scale_run(model, methods, batch: int, context: int, backend: str) -> list[dict]:
+  """Random weights: ms per vanilla step and per speculative round over a filled cache."""
+  cfg = model.cfg
+  rows = []
+  for method in methods:
+    g = gamma_for(method)
+    eng = Engine(model, method, g, SamplingParams(), (), context + 64 * (g + 1), backend,
+                 sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
+    steps = 8
+    cap = decode.make_batch([[0]], 1, eng.max_len, spare=eng.spare).capacity
+    try:
+      ds = filled_state(cfg, batch, context, cap, steps * 64)
+      if eng.config is None:
+        state = ds
+      else:
+        pol = eng.config.policy
+        scores = None
+        if pol.prefill_score_kind is not None:   # stand-in scores: random, like the weights
+          scores = jax.random.normal(jax.random.PRNGKey(1), (cfg.num_layers, batch, cap), jnp.bfloat16)
+        sel = pol.select_kv(ds.cache, scores, ds.cache.lengths - 1, jnp.zeros((batch,), jnp.int32),
+                            backend)
+        state = speculative.SpecState(decode=ds, selection=sel,
+                                      accept_hist=jnp.zeros((batch, g + 1), jnp.int32),
+                                      rounds=jnp.zeros((), jnp.int32))
+      holder = [state]
+
+      def run():
+        holder[0] = eng.chunk(holder[0], steps)
+        return holder[0]
+      t = time_fn(run, warmup=1, reps=3) / steps
+      rows.append(dict(method=method, gamma=g, batch=batch, context=context,
+                       ms_per_round=t * 1e3,
+                       note="random weights: acceptance meaningless; ms per step (none) or per "
+                            "draft+verify round"))
+      holder = state = ds = None  # free this cache before the next method
+    except Exception as e:
+      rows.append(dict(method=method, gamma=g, error=f"{type(e).__name__}: {str(e)[:300]}"))
+    print(rows[-1], file=sys.stderr)
+  return rows
+
+
+def main(argv):
+  del argv
+  backend = default_backend()
+  out_path = _OUT.value or f"benchmarks/out/throughput_{_WORKLOAD.value}.json"
+  header = dict(device=device_name(), commit=git_commit(), model=_MODEL.value,
+                workload=_WORKLOAD.value, batch=_BATCH.value, sparsity=_SPARSITY.value,
+                min_tokens=_MIN_TOKENS.value, backend=backend, argv=" ".join(sys.argv))
+  if _WORKLOAD.value == "scale":
+    model, _ = load(_MODEL.value)
+    header["copy_gbps"] = copy_bandwidth() / 1e9
+    rows = scale_run(model, _METHODS.value, _BATCH.value, _CONTEXT.value, backend)
+    write_json(out_path, dict(header, rows=rows))
+    return
+  from jaxspec.loading import load_model
+  loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
+  tok = loaded.tokenizer
+  if _WORKLOAD.value == "short":
+    max_new = _MAX_NEW.value or 4096
+    prompts = workloads.short_prompts(tok, _REQUESTS.value, _SEED.value)
+  else:
+    max_new = _MAX_NEW.value or 1024
+    prompts = workloads.long_prompts(tok, _REQUESTS.value, _PROMPT_MIN.value, _PROMPT_MAX.value,
+                                     _SEED.value)
+  stop_ids = tuple(sorted(set(loaded.cfg.eos_token_ids) | {tok.eos_token_id} - {None}))
+  sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+  capacity_len = max(len(p) for p in prompts) + max_new
+  rows = []
+  for method in _METHODS.value:
+    eng = Engine(loaded.model, method, gamma_for(method), sampling, stop_ids, capacity_len, backend,
+                 sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
+    try:
+      row = serve(eng, prompts, _BATCH.value, max_new, chunk=_CHUNK.value,
+                  warmup_s=_WARMUP.value, measure_s=_MEASURE.value, seed=_SEED.value)
+      if _PROFILE.value and method != "none":
+        row["phases"] = speculative.profile_rounds(
+            loaded.model, prompts[:_BATCH.value], method=method, gamma=eng.gamma,
+            sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
+            rounds=4, warmup=1, sampling=sampling, max_len=capacity_len, backend=backend)
+    except Exception as e:
+      row = dict(method=method, error=f"{type(e).__name__}: {str(e)[:500]}")
+    rows.append(row)
+    print(row, file=sys.stderr)
+    write_json(out_path, dict(header, rows=rows))   # keep what finished if a later method dies
+  base = next((r["tokens_per_s"] for r in rows if r.get("method") == "none" and "error" not in r),
+              None)
+  print(f"\n{'method':<12} {'g':>2} {'tok/s':>9} {'x none':>7} {'acc/round':>9} {'draft':>6} "
+        f"{'verify':>6} {'select':>6}")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['method']:<12} error: {r['error'][:80]}")
+      continue
+    ph = r.get("phases", {})
+    print(f"{r['method']:<12} {r['gamma']:>2} {r['tokens_per_s']:>9.1f} "
+          f"{(r['tokens_per_s'] / base if base else float('nan')):>7.2f} "
+          f"{r.get('mean_accepted_tokens', 1.0):>9.2f} {ph.get('draft_share', 0):>6.2f} "
+          f"{ph.get('verify_share', 0):>6.2f} {ph.get('select_share', 0):>6.2f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
