@@ -78,32 +78,33 @@ def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *,
   t_start = time.perf_counter()
   measuring, t_measure = False, 0.0
   bar = tqdm(total=warmup_s + measure_s, desc=engine.method, unit="s", file=sys.stderr,
-             bar_format="{desc}: {n:.0f}/{total:.0f} s {postfix}")
+             bar_format="{desc}: {n:.0f}/{total:.0f} s {postfix}", disable=not sys.stderr.isatty())
   while True:
     t0 = time.perf_counter()
     state = engine.chunk(state, chunk)
-    new_num, done, new_hist = engine.progress(state)
+    new_num, done, new_hist = engine.progress(state)   # waits for the chunk
+    t1 = time.perf_counter()
     produced = int((new_num - num_new).sum())
-    refill_s = 0.0
+    delta_hist = None if new_hist is None else new_hist - hist
+    refilled = False
     for slot in np.flatnonzero(done):
       if not queue:
         break
       counted["finished"] += measuring
       req = queue.popleft()
-      r0 = time.perf_counter()
       fresh = engine.prefill([prompts[req]], max_new, seed + req)
       state = insert_slot(state, fresh, jnp.int32(slot))
-      refill_s += time.perf_counter() - r0
-    if refill_s:
-      new_num, done, _ = engine.progress(state)   # refilled slots restart their counts
+      refilled = True
+    if refilled:   # refilled slots restart their token counts and acceptance histograms
+      new_num, done, new_hist = engine.progress(state)   # waits for the refills
     t2 = time.perf_counter()
     if measuring:
       counted["tokens"] += produced
       counted["seconds"] += t2 - t0
-      counted["refill_s"] += refill_s
+      counted["refill_s"] += t2 - t1
       counted["rounds"] += chunk
-      if new_hist is not None:
-        hist_window = new_hist - hist if hist_window is None else hist_window + (new_hist - hist)
+      if delta_hist is not None:
+        hist_window = delta_hist if hist_window is None else hist_window + delta_hist
     num_new, hist = new_num, new_hist
     elapsed = t2 - t_start
     bar.n = min(elapsed, bar.total)

@@ -13,7 +13,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from jaxspec.sampling import SamplingParams
 
@@ -41,18 +41,23 @@ _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for dr
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas criticality scores")
 
 
+def fail(message: str):
+  """Exit with a one-line error on stderr (absl's UsageError would bury it under the flag list)."""
+  sys.exit(f"jaxspec.generate: error: {message}")
+
+
 def read_prompts() -> list[str]:
   if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
-    raise app.UsageError("give exactly one of --prompt or --prompt_file")
+    fail("give exactly one of --prompt or --prompt_file")
   if _PROMPT.value is not None:
     return [_PROMPT.value]
   try:
     with open(_PROMPT_FILE.value) as f:
       prompts = [line.rstrip("\n") for line in f if line.strip()]
   except OSError as e:
-    raise app.UsageError(f"cannot read --prompt_file: {e}") from e
+    fail(f"cannot read --prompt_file: {e}")
   if not prompts:
-    raise app.UsageError(f"--prompt_file {_PROMPT_FILE.value} has no prompts")
+    fail(f"--prompt_file {_PROMPT_FILE.value} has no prompts")
   return prompts
 
 
@@ -93,14 +98,18 @@ class TextStreamer:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)   # orbax logs every read at INFO
   from jaxspec.loading import apply_chat_template, load_model
   try:
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value)
   except ValueError as e:
-    raise app.UsageError(str(e)) from e
+    fail(str(e))
   prompts = read_prompts()
   dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
-  loaded = load_model(_MODEL.value, dtype=dtype)
+  try:
+    loaded = load_model(_MODEL.value, dtype=dtype)
+  except (OSError, ValueError) as e:
+    fail(str(e))
   tok = loaded.tokenizer
   texts = [apply_chat_template(tok, p) for p in prompts] if _CHAT.value else prompts
   ids = [tok.encode(t, add_special_tokens=not _CHAT.value) for t in texts]
@@ -120,7 +129,7 @@ def main(argv):
           loaded.model, ids, method=_METHOD.value, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
           min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, **common)
   except ValueError as e:
-    raise app.UsageError(str(e)) from e
+    fail(str(e))
   streamer.finish(outputs)
   print(f"[jaxspec] method {_METHOD.value} | " + stats.line(), file=sys.stderr)
 
