@@ -111,6 +111,8 @@ def main(argv):
   except (OSError, ValueError) as e:
     fail(str(e))
   tok = loaded.tokenizer
+  if tok is None:
+    fail(f"{loaded.source} has no tokenizer files; convert it from a source that has one")
   texts = [apply_chat_template(tok, p) for p in prompts] if _CHAT.value else prompts
   ids = [tok.encode(t, add_special_tokens=not _CHAT.value) for t in texts]
   stop_ids = set(loaded.cfg.eos_token_ids)

@@ -10,6 +10,32 @@ Shapes (GQA, Hq = G * Hkv):
                                  since the selection was made); selected indices must be < tail_start
   lengths     [B] int32          entries in the cache before the T new tokens
 Query row t sees {indices[b, :counts[b]]} U {j : tail_start[b] <= j <= lengths[b] + t}.
+Indices must be distinct within a list and < tail_start (what `topk_select` returns); the kernel,
+unlike the reference, would count a repeated index twice. A query row that sees nothing gets 0.
+
+Kernel (`sparse_attention`), flash-decoding over the index list:
+  * grid (Hkv, P_sel + P_tail) per sequence (batch vmapped; KV head fastest, so the Hkv programs
+    that gather the same token rows run side by side and share DRAM pages). Programs p < P_sel each
+    take one contiguous chunk of the index list, load block_k indices, and gather those rows of K
+    and V with one pointer-per-row masked load (page size 1: each row is D*2 contiguous bytes);
+    programs p >= P_sel split the dense tail [tail_start, lengths + T) and run it with the causal
+    mask of the T new rows. All G x T query rows of a KV head share each gathered tile.
+  * shared indices [B, K] are read by every KV head's programs (from L2 after the first); per-head
+    indices [B, Hkv, K] give each head its own list and count.
+  * each program writes an unnormalised partial; the same XLA combine as verify_attention merges
+    them (`verify_attention.combine_splits`).
+
+Defaults (measured on an H100, benchmarks/NOTES_kernels.md): block_k 32 rows per gather; about
+4 programs per SM for T*G <= 16 rows and 8 above (T = 8: 221 us with 8 splits against 271 with 5).
+B=16, 8192 of 131072 positions, Qwen3-8B layer: 205 us at T = 1 (90% of the copy rate; the same
+for unsorted indices and per-head lists) and 221 us at T = 8 (84%); XLA gather + attention 1019
+and 1158 us.
+
+Backend: Pallas's Triton lowering. Mosaic GPU cannot gather rows from global memory on Hopper (its
+TMA copies are tiled boxes; a per-row gather is Blackwell-only), and a page size of 1 rules out
+copying whole pages; Triton lowers a load with an integer-array index to a pointer per row, which
+is exactly the gather, and it reaches 90% of the copy rate here. Deprecated from jax 0.11 but
+present in 0.11.2.
 """
 from __future__ import annotations
 
@@ -17,9 +43,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.verify_attention import _LOG2E, _MAX_INIT, NEG_INF, _pow2_rows, combine_splits
+from pallas_kernels.verify_attention import _dot, _dot_t, default_splits
 
 
 def _check(q, k, v, indices, counts, tail_start, lengths):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B,T,Hq,D], got {q.shape}")
   b, _, hq, d = q.shape
   if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hq % k.shape[2]:
     raise ValueError(f"q {q.shape} does not match cache {k.shape}")
@@ -55,5 +88,200 @@ def sparse_attention_reference(q, k, v, indices, counts, tail_start, lengths, *,
   logits = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32)) * scale
   logits = jnp.where(visible[:, :, None], logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
+  # A row that sees nothing (no selected index and tail_start past it) attends to nothing: output 0,
+  # where softmax over all -inf would give NaN.
+  probs = jnp.where(visible[:, :, None].any(axis=-1, keepdims=True), probs, 0.)
   out = jnp.einsum("bhgts,bshd->bthgd", probs, v.astype(jnp.float32))
   return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+
+def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
+                   *, sm_scale: float, t: int, g: int, block_k: int, chunk: int, sel_splits: int,
+                   tail_splits: int):
+  # len_ref   []      int32  cache entries before the T new tokens
+  # tail_ref  []      int32  first position of the dense tail
+  # cnt_ref   []      int32  valid entries of this head's index list
+  # idx_ref   [K]     int32  this head's selected positions (shared by all heads, or its own)
+  # q_ref     [M, D]  bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
+  # k_ref     [S, D]         this KV head's keys (head squeezed by the BlockSpec)
+  # v_ref     [S, D]
+  # o_ref     [M, D]  f32    unnormalised partial output of this program
+  # m_ref     [M]     f32    running max, base-2 logits
+  # l_ref     [M]     f32    softmax denominator
+  m_rows, d = q_ref.shape
+  p = pl.program_id(1)
+  length = len_ref[()]
+  q = q_ref[...]
+  qk_scale = sm_scale * _LOG2E
+  row_t = jnp.minimum(jnp.arange(m_rows) // g, t - 1)
+  cols_d = jnp.arange(d)
+
+  def update(carry, k, v, visible):
+    acc, m_i, l_i = carry
+    s = _dot_t(q, k) * qk_scale          # [M, bk]
+    if visible is not None:
+      s = jnp.where(visible, s, NEG_INF)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    prob = jnp.exp2(s - m_new[:, None])
+    l_new = l_i * alpha + jnp.sum(prob, axis=1)
+    acc = acc * alpha[:, None] + _dot(prob.astype(v.dtype), v)
+    return acc, m_new, l_new
+
+  def selected(carry):
+    # Chunk [p*chunk, (p+1)*chunk) of the index list; every valid entry is seen by every row.
+    base = p * chunk
+    live_n = jnp.clip(cnt_ref[()] - base, 0, chunk)
+    n_blocks = (live_n + block_k - 1) // block_k
+    n_full = live_n // block_k
+
+    def step(i, carry, masked):
+      pos = base + i * block_k + jnp.arange(block_k)
+      if masked:
+        live = pos < base + live_n
+        idx = plgpu.load(idx_ref.at[pl.ds(base + i * block_k, block_k)], mask=live, other=0)
+        rows = (idx[:, None], cols_d[None, :])
+        k = plgpu.load(k_ref.at[rows], mask=live[:, None], other=0.)
+        v = plgpu.load(v_ref.at[rows], mask=live[:, None], other=0.)
+        return update(carry, k, v, live[None, :])
+      # Masked even here: the list may be shorter than one block (interpret mode checks shapes).
+      idx = plgpu.load(idx_ref.at[pl.ds(base + i * block_k, block_k)], mask=pos < base + live_n,
+                       other=0)
+      rows = (idx[:, None], cols_d[None, :])
+      return update(carry, k_ref[rows], v_ref[rows], None)
+
+    carry = jax.lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    return jax.lax.fori_loop(n_full, n_blocks, functools.partial(step, masked=True), carry)
+
+  def tail(carry):
+    # Split (p - sel_splits) of the dense tail [tail_start, length + T), causal in the new rows.
+    kv_end = length + t
+    tail_len = jnp.maximum(kv_end - tail_ref[()], 0)
+    per = (tail_len + tail_splits * block_k - 1) // (tail_splits * block_k) * block_k
+    start = tail_ref[()] + (p - sel_splits) * per
+    stop = jnp.minimum(start + per, kv_end)
+    span = jnp.maximum(stop - start, 0)
+    n_blocks = (span + block_k - 1) // block_k
+    n_full = jnp.minimum(jnp.maximum(jnp.minimum(length + 1, stop) - start, 0) // block_k, n_blocks)
+
+    def step(i, carry, masked):
+      j0 = start + i * block_k
+      if not masked:
+        return update(carry, k_ref[pl.ds(j0, block_k), :], v_ref[pl.ds(j0, block_k), :], None)
+      cols = j0 + jnp.arange(block_k)
+      live = cols < stop
+      k = plgpu.load(k_ref.at[pl.ds(j0, block_k), :], mask=live[:, None], other=0.)
+      v = plgpu.load(v_ref.at[pl.ds(j0, block_k), :], mask=live[:, None], other=0.)
+      visible = live[None, :] & (cols[None, :] <= length + row_t[:, None])
+      return update(carry, k, v, visible)
+
+    if k_ref.shape[0] < block_k:   # a cache shorter than one block: masked blocks only
+      n_full = 0
+    carry = jax.lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    return jax.lax.fori_loop(n_full, n_blocks, functools.partial(step, masked=True), carry)
+
+  carry = (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), _MAX_INIT, jnp.float32),
+           jnp.zeros((m_rows,), jnp.float32))
+  acc, m_i, l_i = jax.lax.cond(p < sel_splits, selected, tail, carry)
+  o_ref[...] = acc
+  m_ref[...] = m_i
+  l_ref[...] = l_i
+
+
+# ----------------------------------------------------------------------------------------------
+# Unbatched pallas_call wrapper (one sequence; the public function vmaps it over the batch)
+
+def _sparse_unbatched(q, k, v, indices, counts, tail_start, length, *, sm_scale, t, g, block_k,
+                      num_splits, tail_splits, num_warps, num_stages, interpret):
+  """q [Hkv,M,D], k/v [S,Hkv,D], indices [K] or [Hkv,K], counts [] or [Hkv], tail_start, length []
+
+  -> partials o [Hkv,P,M,D], m, l [Hkv,P,M] with P = P_sel + tail_splits.
+  """
+  hkv, m_rows, d = q.shape
+  s = k.shape[0]
+  kk = indices.shape[-1]
+  chunk = pl.cdiv(pl.cdiv(kk, num_splits), block_k) * block_k
+  sel_splits = pl.cdiv(kk, chunk)
+  p = sel_splits + tail_splits
+  per_head = indices.ndim == 2
+  if per_head:
+    idx_spec = pl.BlockSpec((None, kk), lambda h, i: (h, 0))
+    cnt_spec = pl.BlockSpec((None,), lambda h, i: (h,))
+  else:
+    idx_spec = pl.BlockSpec((kk,), lambda h, i: (0,))
+    cnt_spec = pl.BlockSpec((), lambda h, i: ())
+  kernel = functools.partial(_sparse_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
+                             chunk=chunk, sel_splits=sel_splits, tail_splits=tail_splits)
+  return pl.pallas_call(
+      kernel,
+      grid=(hkv, p),
+      in_specs=[pl.BlockSpec((), lambda h, i: ()),
+                pl.BlockSpec((), lambda h, i: ()),
+                cnt_spec,
+                idx_spec,
+                pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
+                pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
+                pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))],
+      out_specs=[pl.BlockSpec((None, None, m_rows, d), lambda h, i: (h, i, 0, 0)),
+                 pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0)),
+                 pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0))],
+      out_shape=[jax.ShapeDtypeStruct((hkv, p, m_rows, d), jnp.float32),
+                 jax.ShapeDtypeStruct((hkv, p, m_rows), jnp.float32),
+                 jax.ShapeDtypeStruct((hkv, p, m_rows), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f"sparse_attention_t{t}_g{g}_d{d}" + ("_per_head" if per_head else ""),
+  )(length, tail_start, counts, indices, q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "interpret", "block_k", "num_splits", "tail_splits", "num_warps", "num_stages"))
+def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array,
+                     counts: jax.Array, tail_start: jax.Array, lengths: jax.Array, *,
+                     sm_scale: float | None = None, interpret: bool = False, block_k: int = 32,
+                     num_splits: int | None = None, tail_splits: int = 2, num_warps: int = 4,
+                     num_stages: int = 3) -> jax.Array:
+  """Pallas gathered sparse attention; same contract as sparse_attention_reference.
+
+  Returns [B,T,Hq,D] in q.dtype. Knobs: `block_k` gathered rows per tile (power of two >= 16),
+  `num_splits` chunks of the index list per (sequence, KV head) (default: ~4 programs per SM for
+  T*G <= 16 query rows per KV head, ~8 above),
+  `tail_splits` programs per (sequence, KV head) for the dense tail, Triton's `num_warps` and
+  `num_stages`.
+  """
+  _check(q, k, v, indices, counts, tail_start, lengths)
+  if block_k < 16 or block_k & (block_k - 1):
+    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+  if tail_splits < 1:
+    raise ValueError(f"tail_splits must be >= 1, got {tail_splits}")
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  if d < 16 or d & (d - 1):
+    raise ValueError(f"head_dim must be a power of two >= 16 for tl.dot, got {d}")
+  g = hq // hkv
+  scale = d ** -0.5 if sm_scale is None else sm_scale
+  kk = indices.shape[-1]
+  counts = jnp.clip(counts.astype(jnp.int32), 0, kk)
+  indices = indices.astype(jnp.int32)
+  if kk == 0:   # nothing selected: one padding entry that count 0 never reads
+    indices = jnp.zeros(indices.shape[:-1] + (1,), jnp.int32)
+  m_rows = _pow2_rows(t * g)
+  # Measured on an H100 (benchmarks/NOTES_kernels.md): with one 16-row tile (T=1) ~4 programs
+  # per SM is best; with 32+ rows each gathered block costs more arithmetic and ~8 per SM is.
+  programs = 528 if m_rows <= 16 else 1024
+  splits = num_splits or default_splits(b * hkv, pl.cdiv(indices.shape[-1], block_k), programs)
+  qp = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_rows - t * g), (0, 0)))
+  parts = jax.vmap(functools.partial(
+      _sparse_unbatched, sm_scale=scale, t=t, g=g, block_k=block_k, num_splits=splits,
+      tail_splits=tail_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret))(
+          qp, k, v, indices, counts, tail_start.astype(jnp.int32), lengths.astype(jnp.int32))
+  o, _ = combine_splits(*parts)                         # [B,Hkv,M,D]
+  out = o[:, :, :t * g].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+  return out.astype(q.dtype)

@@ -1,0 +1,510 @@
+"""Kernel benchmark for issue 3: verify / sparse attention and top-k selection against the roofline.
+
+One run measures a device copy (bytes read + written over time), then every case: the Pallas kernel,
+the jitted pure-JAX reference (XLA) and, where it applies, torch SDPA, each as microseconds, GB/s of
+the bytes the case must move at least (K/V rows it reads once, scores once) and % of the copy rate.
+With --check it first runs every kernel on the GPU against its reference on small shapes.
+
+  PYTHONPATH=. python benchmarks/kernels.py --out benchmarks/out/kernels.json
+
+Timing: JAX calls are dispatched back to back (asynchronously) and the wall time of a batch is
+divided by its size; the median over several batches is reported. torch is timed with
+triton.testing.do_bench (CUDA events, median). Inputs that fit in L2 (top-k scores) are rotated.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+import traceback
+
+from absl import app, flags
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import device_name, git_commit, write_json
+from pallas_kernels import sparse_attention as _sparse
+from pallas_kernels import verify_attention as _verify
+from pallas_kernels.sparse_attention import sparse_attention_reference
+from pallas_kernels.topk_select import topk_select, topk_select_reference
+from pallas_kernels.verify_attention import verify_attention_reference
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "benchmarks/out/kernels.json", "where to write the JSON results")
+flags.DEFINE_bool("check", True, "first check every kernel against its reference on small shapes")
+flags.DEFINE_bool("sweep", True, "time a few tuning-knob variants of the main cases")
+flags.DEFINE_list("only", [], "run only cases whose name starts with one of these prefixes")
+flags.DEFINE_integer("batches", 7, "timed batches per measurement (median reported)")
+flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
+flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
+flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
+flags.DEFINE_enum("plan", "full", ["full", "followup"],
+                  "full: every case of issue 3; followup: the re-measurements after the first run")
+flags.DEFINE_list("check_groups", ["verify", "sparse", "topk"], "kernel groups --check runs")
+flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
+
+MODELS = {"qwen3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}
+RESULTS: list[dict] = []
+T_START = time.time()
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+def time_jax(fn, arg_sets) -> float:
+  """Median seconds per call of fn(*args), rotating through arg_sets."""
+  for a in arg_sets:
+    jax.block_until_ready(fn(*a))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*arg_sets[0]))
+  once = max(time.perf_counter() - t0, 1e-6)
+  n = int(min(max(FLAGS.batch_seconds / once, 3), 200))
+  times = []
+  for _ in range(FLAGS.batches):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(n):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / n)
+  return statistics.median(times)
+
+
+def time_chain(fn, args, n: int = 8) -> float:
+  """Device seconds per call: n calls chained in one program (each one's query depends on the
+  previous output, so none can be hoisted or overlapped), one dispatch for all of them; this
+  removes the Python dispatch cost that wall-clock batches include for calls under ~50 us."""
+  def chain(q, *rest):
+    acc = jnp.zeros((), jnp.float32)
+    for _ in range(n):
+      out = fn(q + (acc * 0).astype(q.dtype), *rest)
+      out = out[0] if isinstance(out, tuple) else out
+      acc = acc + out.reshape(-1)[0].astype(jnp.float32)
+    return acc
+  return time_jax(jax.jit(chain), [args]) / n
+
+
+def time_torch(fn) -> float | None:
+  try:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+  except Exception:
+    return None
+
+
+COPY_BPS = float("nan")
+
+
+def record(case: str, impl: str, seconds, nbytes: int, **extra) -> None:
+  """seconds: a number, None (not available) or a thunk timed here, its failure recorded alone."""
+  if callable(seconds):
+    try:
+      seconds = seconds()
+    except Exception as e:
+      print(f"  !! {case} {impl}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+      RESULTS.append(dict(case=case, impl=impl + " (error)", error=str(e)[:1500]))
+      return
+  if seconds is None:
+    return
+  gbps = nbytes / seconds / 1e9
+  row = dict(case=case, impl=impl, us=seconds * 1e6, gb_s=gbps,
+             pct_copy=100 * nbytes / seconds / COPY_BPS, bytes=nbytes, **extra)
+  RESULTS.append(row)
+  print(f"  {case:42s} {impl:28s} {row['us']:10.1f} us {gbps:8.0f} GB/s {row['pct_copy']:6.1f} %",
+        flush=True)
+
+
+def guarded(fn):
+  @functools.wraps(fn)
+  def wrapper(*a, **k):
+    if time.time() - T_START > FLAGS.time_budget:
+      print(f"  -- skipped {fn.__name__}{a}: over the time budget", flush=True)
+      return None
+    try:
+      return fn(*a, **k)
+    except Exception as e:  # one failing case must not lose the others
+      print(f"  !! {fn.__name__}{a}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+      traceback.print_exc(limit=4)
+      RESULTS.append(dict(case=f"{fn.__name__}{a}", impl="error", error=str(e)[:2000]))
+    finally:
+      write_json(FLAGS.out, dict(device=device_name(), partial=True, results=RESULTS))
+  return wrapper
+
+
+def verify_attention(*a, **k):
+  return _verify.verify_attention(*a, interpret=FLAGS.interpret, **k)
+
+
+def sparse_attention(*a, **k):
+  return _sparse.sparse_attention(*a, interpret=FLAGS.interpret, **k)
+
+
+def wanted(name: str) -> bool:
+  return not FLAGS.only or any(name.startswith(p) for p in FLAGS.only)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+def rand(key, shape, dtype=jnp.bfloat16):
+  return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(dtype)
+
+
+def cache(b, s, hkv, d, seed=0):
+  return rand(seed + 1, (b, s, hkv, d)), rand(seed + 2, (b, s, hkv, d))
+
+
+def kv_bytes(tokens: int, hkv: int, d: int) -> int:
+  return tokens * hkv * d * 2 * 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Baselines
+
+def torch_sdpa(b, t, hq, hkv, d, s):
+  """torch SDPA over a [B, Hkv, S, D] cache (its preferred layout), causal among the T new rows."""
+  try:
+    import torch
+    import torch.nn.functional as F
+  except Exception:
+    return None
+  if not torch.cuda.is_available():
+    return None
+  dev = "cuda"
+  q = torch.randn(b, hq, t, d, device=dev, dtype=torch.bfloat16)
+  k = torch.randn(b, hkv, s, d, device=dev, dtype=torch.bfloat16)
+  v = torch.randn(b, hkv, s, d, device=dev, dtype=torch.bfloat16)
+  mask = None
+  if t > 1:
+    j = torch.arange(s, device=dev)[None, :]
+    mask = j <= (s - t + torch.arange(t, device=dev))[:, None]
+  sec = time_torch(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+  del q, k, v
+  torch.cuda.empty_cache()
+  return sec
+
+
+@functools.partial(jax.jit, static_argnames=("tail_w",))
+def xla_gather_attention(q, k, v, indices, counts, tail_start, lengths, *, tail_w):
+  """XLA baseline for sparse: gather the selected and tail rows, then masked dense attention."""
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  g = hq // hkv
+  tail_pos = tail_start[:, None] + jnp.arange(tail_w)[None]
+  pos = jnp.concatenate([indices, tail_pos], axis=1)                       # [B, K+W]
+  kg = jnp.take_along_axis(k, pos[:, :, None, None], axis=1)
+  vg = jnp.take_along_axis(v, pos[:, :, None, None], axis=1)
+  kk = indices.shape[1]
+  slot = jnp.arange(kk + tail_w)
+  row_pos = lengths[:, None] + jnp.arange(t)[None]                         # [B, T]
+  vis = jnp.where(slot[None, None] < kk, slot[None, None] < counts[:, None, None],
+                  pos[:, None] <= row_pos[:, :, None])                     # [B, T, K+W]
+  qg = q.reshape(b, t, hkv, g, d)
+  logits = jnp.einsum("bthgd,bshd->bhgts", qg, kg, preferred_element_type=jnp.float32) * d ** -0.5
+  logits = jnp.where(vis[:, None, None], logits, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+  return jnp.einsum("bhgts,bshd->bthgd", p, vg).reshape(b, t, hq, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness on the GPU (small shapes; compile errors surface here)
+
+def rel_err(a, b):
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def check_all() -> bool:
+  ok = True
+  print("== GPU checks against the references", flush=True)
+  groups = set(FLAGS.check_groups)
+  verify_cases = [(1, 32, 8, 128, None, (0, -1)), (8, 32, 8, 128, "logits", (0, -1)),
+                  (12, 32, 8, 128, "weights", (0, -1)), (12, 14, 2, 64, "logits", None),
+                  (7, 7, 1, 128, "weights", None), (2, 12, 2, 128, "logits", (0, -1))]
+  for (t, hq, hkv, d, kind, rows) in verify_cases:
+    if "verify" not in groups:
+      break
+    try:
+      b, s = 3, 1000
+      k, v = cache(b, s, hkv, d, seed=t)
+      q = rand(t + 7, (b, t, hq, d))
+      lengths = jnp.array([0, 517, s - t], jnp.int32)
+      out, sc = verify_attention(q, k, v, lengths, score_kind=kind, score_rows=rows)
+      ro, rs = verify_attention_reference(q, k, v, lengths, score_kind=kind, score_rows=rows)
+      e = rel_err(out, ro)
+      good = e < 1e-2 and not bool(jnp.isnan(out).any())
+      msg = f"verify T={t} {hq}/{hkv}/{d} {kind} rows={rows}: out err {e:.1e}"
+      if kind is not None:
+        fin = jnp.isfinite(rs)
+        same_mask = bool(jnp.all(jnp.isfinite(sc) == fin))
+        se = rel_err(jnp.where(fin, sc, 0), jnp.where(fin, rs, 0))
+        kk = 50
+        a = jax.lax.top_k(jnp.where(fin, sc.astype(jnp.float32), -1e30)[1:], kk)[1]
+        r = jax.lax.top_k(jnp.where(fin, rs.astype(jnp.float32), -1e30)[1:], kk)[1]
+        overlap = np.mean([len(set(np.asarray(a[i])) & set(np.asarray(r[i]))) / kk
+                           for i in range(2)])
+        good &= same_mask and se < 2e-2
+        msg += f", scores err {se:.1e}, -inf pattern {same_mask}, top-{kk} overlap {overlap:.3f}"
+      print(("PASS " if good else "FAIL ") + msg, flush=True)
+      ok &= good
+    except Exception as e:
+      ok = False
+      print(f"FAIL verify T={t} {hq}/{hkv}/{d} {kind}: {type(e).__name__}: {str(e)[:3000]}",
+            flush=True)
+  rng = np.random.default_rng(0)
+  for (t, hq, hkv, d, per_head, kk) in [(1, 32, 8, 128, False, 300), (8, 32, 8, 128, True, 300),
+                                         (7, 14, 2, 64, False, 0), (12, 12, 2, 128, False, 977)]:
+    if "sparse" not in groups:
+      break
+    try:
+      b, s = 3, 1000
+      k, v = cache(b, s, hkv, d, seed=3 * t)
+      q = rand(t + 11, (b, t, hq, d))
+      lengths = np.array([20, 517, s - t], np.int32)
+      tails = np.array([25, 400, s - t - 16], np.int32)   # row 0 of batch 0 sees nothing
+      shape = (b, hkv, kk) if per_head else (b, kk)
+      idx = np.zeros(shape, np.int32)
+      cnt = np.zeros(shape[:-1], np.int32)
+      for bi in range(b):
+        for h in range(hkv if per_head else 1):
+          c = min(kk, tails[bi])
+          sel = rng.permutation(tails[bi])[:c]
+          if per_head:
+            idx[bi, h, :c], cnt[bi, h] = sel, c
+          else:
+            idx[bi, :c], cnt[bi] = sel, c
+      args = (q, k, v, jnp.asarray(idx), jnp.asarray(cnt), jnp.asarray(tails), jnp.asarray(lengths))
+      out = sparse_attention(*args)
+      ref = sparse_attention_reference(*args)
+      e = rel_err(out, ref)
+      good = e < 1e-2 and not bool(jnp.isnan(out).any())
+      print(("PASS " if good else "FAIL ") + f"sparse T={t} {hq}/{hkv}/{d} per_head={per_head} "
+            f"K={kk}: err {e:.1e}", flush=True)
+      ok &= good
+    except Exception as e:
+      ok = False
+      print(f"FAIL sparse T={t} per_head={per_head}: {type(e).__name__}: {str(e)[:3000]}",
+            flush=True)
+  for dt in (jnp.bfloat16, jnp.float32):
+    if "topk" not in groups:
+      break
+    try:
+      sc = rand(5, (4, 5000), dt)
+      lengths = jnp.array([1, 100, 4321, 5000], jnp.int32)
+      a, ca = topk_select(sc, lengths, ratio=0.07, min_tokens=16, k_max=400)
+      r, cr = topk_select_reference(sc, lengths, ratio=0.07, min_tokens=16, k_max=400)
+      a, r, ca = np.asarray(a), np.asarray(r), np.asarray(ca)
+      good = all(set(a[i, :ca[i]]) == set(r[i, :ca[i]]) for i in range(4))
+      print(("PASS " if good else "FAIL ") + f"topk_select radix {jnp.dtype(dt).name}", flush=True)
+      ok &= good
+    except Exception as e:
+      ok = False
+      print(f"FAIL topk {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+  return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases
+
+@guarded
+def copy_case():
+  global COPY_BPS
+  n = (2 << 30) // FLAGS.shrink
+  x = rand(99, (n // 2,))
+  f = jax.jit(lambda a: -a)   # one read + one write of every byte; a plain copy may be elided
+  sec = time_jax(f, [(x,)])
+  COPY_BPS = 2 * n / sec
+  record("copy 2 GiB (read+write)", "xla negate", sec, 2 * n)
+  try:
+    import torch
+    src = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    tsec = time_torch(lambda: dst.copy_(src))
+    record("copy 2 GiB (read+write)", "torch copy_", tsec, 2 * n)
+    del src, dst
+    torch.cuda.empty_cache()
+  except Exception as e:
+    print(f"  torch copy unavailable: {e}")
+  del x
+
+
+@guarded
+def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(), chain=False):
+  hq, hkv, d = MODELS[model]
+  k, v = cache(b, s, hkv, d)
+  lengths = jnp.full((b,), s - t, jnp.int32)
+  # Arrays are passed as arguments (closed-over arrays would be baked into the program).
+  qs = [(rand(10 + i, (b, t, hq, d)), k, v, lengths) for i in range(2)]
+  base = kv_bytes(b * s, hkv, d)
+  name = f"{'decode' if t == 1 else 'verify'} {model} B{b}xL{s} T{t}"
+  for mode in modes:
+    kind, rows = {"off": (None, (0, -1)), "collect2": ("logits", (0, -1)),
+                  "collect2-weights": ("weights", (0, -1)), "allrows": ("logits", None)}[mode]
+    nbytes = base + (b * s * 2 if kind else 0)
+    fn = functools.partial(verify_attention, score_kind=kind, score_rows=rows)
+    record(name, f"pallas scores={mode}", lambda fn=fn: time_jax(fn, qs), nbytes, mode=mode)
+    if chain:
+      record(name, f"pallas scores={mode} [chained]", lambda fn=fn: time_chain(fn, qs[0]), nbytes,
+             mode=mode, timing="chained")
+  for knobs in variants:
+    fn = functools.partial(verify_attention, **knobs)
+    record(name, "pallas " + ",".join(f"{a}={x}" for a, x in knobs.items()),
+           lambda fn=fn: time_jax(fn, qs), base,
+           mode="off", knobs=knobs)
+  if with_ref:
+    kind = None if t == 1 else "logits"
+    fn = functools.partial(verify_attention_reference, score_kind=kind)
+    record(name, f"xla reference scores={kind}", lambda: time_jax(fn, qs), base)
+  del k, v, qs
+  if with_torch:
+    record(name, "torch sdpa (B,H,S,D layout)", lambda: torch_sdpa(b, t, hq, hkv, d, s), base)
+
+
+def sparse_inputs(b, s, hkv, kk, tail, per_head, sort, seed=0):
+  rng = np.random.default_rng(seed)
+  tail_start = s - 64 - tail    # leave room for T new rows inside the cache
+  shape = (b, hkv) if per_head else (b,)
+  idx = np.stack([rng.choice(tail_start, kk, replace=False) for _ in range(math.prod(shape))])
+  if sort:
+    idx = np.sort(idx, axis=-1)
+  idx = idx.reshape(*shape, kk).astype(np.int32)
+  cnt = np.full(shape, kk, np.int32)
+  return jnp.asarray(idx), jnp.asarray(cnt), jnp.full((b,), tail_start, jnp.int32)
+
+
+@guarded
+def sparse_case(model, b, s, kk, t, per_head=False, sort=True, with_ref=True, variants=(),
+                chain=False):
+  hq, hkv, d = MODELS[model]
+  tail = 64
+  k, v = cache(b, s, hkv, d)
+  idx, cnt, tail_start = sparse_inputs(b, s, hkv, kk, tail, per_head, sort)
+  lengths = tail_start + tail
+  qs = [(rand(20 + i, (b, t, hq, d)), k, v, idx, cnt, tail_start, lengths) for i in range(2)]
+  nbytes = kv_bytes(b * (kk + tail + t), hkv, d) + idx.size * 4
+  name = (f"sparse {model} B{b}xL{s} K{kk}+{tail} T{t}" + (" per-head" if per_head else "")
+          + ("" if sort else " unsorted"))
+  record(name, "pallas", lambda: time_jax(sparse_attention, qs), nbytes)
+  if chain:
+    record(name, "pallas [chained]", lambda: time_chain(sparse_attention, qs[0]), nbytes,
+           timing="chained")
+  for knobs in variants:
+    fn = functools.partial(sparse_attention, **knobs)
+    record(name, "pallas " + ",".join(f"{a}={x}" for a, x in knobs.items()),
+           lambda fn=fn: time_jax(fn, qs), nbytes, knobs=knobs)
+  if with_ref and not per_head:
+    fn = functools.partial(xla_gather_attention, tail_w=tail + t)
+    record(name, "xla gather+attention", lambda: time_jax(fn, qs), nbytes)
+    if chain:
+      record(name, "xla gather+attention [chained]", lambda: time_chain(fn, qs[0]), nbytes,
+             timing="chained")
+  del k, v, qs
+
+
+@guarded
+def topk_case(b, l, ratio, dtype):
+  k_max = math.ceil(ratio * l)
+  sets = [(rand(30 + i, (b, l), dtype), jnp.full((b,), l, jnp.int32)) for i in range(8)]
+  nbytes = b * l * jnp.dtype(dtype).itemsize + b * k_max * 4
+  name = f"topk_select B{b}xL{l} ratio {ratio} {jnp.dtype(dtype).name}"
+  for method in ("radix", "top_k"):
+    fn = functools.partial(topk_select, ratio=ratio, min_tokens=16, k_max=k_max, method=method)
+    record(name, f"{method}", lambda fn=fn: time_jax(fn, sets), nbytes)
+
+
+def summary():
+  print("\n== summary (device %s, copy %.0f GB/s)" % (device_name(), COPY_BPS / 1e9))
+  print(f"{'case':44s} {'impl':30s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s}")
+  for r in RESULTS:
+    if r.get("impl") == "error":
+      print(f"{r['case'][:44]:44s} ERROR {r['error'][:80]}")
+    elif "error" in r:
+      print(f"{r['case'][:44]:44s} {r['impl'][:30]:30s} ERROR {r['error'][:60]}")
+    else:
+      print(f"{r['case'][:44]:44s} {r['impl'][:30]:30s} {r['us']:9.1f} {r['gb_s']:7.0f} "
+            f"{r['pct_copy']:6.1f}")
+
+
+def main(argv):
+  del argv
+  t_start = time.time()
+  print(f"jax {jax.__version__} on {device_name()}", flush=True)
+  checks = None
+  if FLAGS.check:
+    checks = check_all()
+    print(f"== checks {'all passed' if checks else 'FAILED'} ({time.time() - t_start:.0f} s)",
+          flush=True)
+  copy_case()
+  q3 = "qwen3-8b"
+  sweep_dense = ({"block_k": 128}, {"block_k": 32}, {"num_stages": 2}, {"num_stages": 4},
+                 {"num_warps": 8}, {"block_k": 128, "num_warps": 8}, {"num_splits": 8},
+                 {"num_splits": 32}) if FLAGS.sweep else ()
+  sweep_sparse = ({"block_k": 16}, {"block_k": 64}, {"num_stages": 2}, {"num_stages": 4},
+                  {"num_warps": 8}, {"num_splits": 2}, {"num_splits": 8}) if FLAGS.sweep else ()
+  sh = FLAGS.shrink
+  if FLAGS.plan == "followup":
+    followup(q3, sh)
+  else:
+    full(q3, sh, sweep_dense, sweep_sparse)
+  summary()
+  write_json(FLAGS.out, dict(device=device_name(), jax=jax.__version__, commit=git_commit(),
+                             copy_gb_s=COPY_BPS / 1e9, checks_passed=checks, results=RESULTS,
+                             wall_s=time.time() - t_start))
+  print(f"wrote {FLAGS.out} ({time.time() - t_start:.0f} s)")
+
+
+def followup(q3, sh):
+  """Second run: new verify defaults and score path, sparse T=8 knobs, small cases chained."""
+  if wanted("decode"):
+    dense_case(q3, 4, 131072 // sh, 1, ("off",), with_ref=False, with_torch=False,
+               variants=({"num_stages": 4}, {"block_k": 64}))
+  if wanted("verify"):
+    dense_case(q3, 4, 131072 // sh, 8, ("off", "collect2"), with_ref=False, with_torch=False,
+               variants=({"num_stages": 4},))
+    dense_case(q3, 4, 131072 // sh, 12, ("off", "collect2", "allrows"), with_ref=False,
+               with_torch=False, variants=({"block_k": 128},))
+    dense_case(q3, 16, 32768 // sh, 12, ("off", "collect2"), with_ref=False, with_torch=False)
+  if wanted("sparse"):
+    sparse_case(q3, 16, 131072 // sh, 8192 // sh, 8, with_ref=False,
+                variants=({"block_k": 64}, {"block_k": 16}, {"num_warps": 8}, {"num_stages": 2},
+                          {"num_splits": 8}))
+  if wanted("small"):
+    for m in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+      sparse_case(m, 64, 16384 // sh, 1024 // sh, 1, chain=True)
+      sparse_case(m, 64, 16384 // sh, 1024 // sh, 8, chain=True)
+    dense_case("qwen2.5-0.5b", 64, 16384 // sh, 8, ("off",), with_ref=False, with_torch=False,
+               chain=True, variants=({"block_k": 64}, {"num_splits": 8}))
+
+
+def full(q3, sh, sweep_dense, sweep_sparse):
+  if wanted("decode"):
+    dense_case(q3, 4, 131072 // sh, 1, ("off",), variants=sweep_dense)
+    dense_case(q3, 16, 32768 // sh, 1, ("off",))
+  if wanted("verify"):
+    dense_case(q3, 4, 131072 // sh, 8, ("off", "collect2", "collect2-weights", "allrows"),
+               variants=sweep_dense[:5])
+    dense_case(q3, 4, 131072 // sh, 12, ("off", "collect2", "allrows"))
+    dense_case(q3, 16, 32768 // sh, 8, ("off", "collect2"))
+    dense_case(q3, 16, 32768 // sh, 12, ("off", "collect2", "allrows"))
+  if wanted("sparse"):
+    sparse_case(q3, 16, 131072 // sh, 8192 // sh, 1, variants=sweep_sparse)
+    sparse_case(q3, 16, 131072 // sh, 8192 // sh, 8)
+    sparse_case(q3, 16, 131072 // sh, 8192 // sh, 1, sort=False, with_ref=False)
+    sparse_case(q3, 16, 131072 // sh, 8192 // sh, 1, per_head=True)
+  if wanted("small"):
+    for m in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+      dense_case(m, 64, 16384 // sh, 1, ("off",))
+      dense_case(m, 64, 16384 // sh, 8, ("off", "collect2"))
+      sparse_case(m, 64, 16384 // sh, 1024 // sh, 1)
+      sparse_case(m, 64, 16384 // sh, 1024 // sh, 8)
+  if wanted("topk"):
+    topk_case(16, 131072 // sh, 0.07, jnp.bfloat16)
+    topk_case(16, 131072 // sh, 0.07, jnp.float32)
+
+
+if __name__ == "__main__":
+  app.run(main)

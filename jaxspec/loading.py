@@ -1,0 +1,68 @@
+"""`load_model(spec)`: one entry point for every way of naming a model.
+
+spec is a jaxspec checkpoint dir (the fast path), a HF safetensors dir, a .gguf file, or a demo
+name from `jaxspec.fetch.DEMOS` (fetched and converted into checkpoints/ on first use).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+
+from jaxspec import fetch as fetch_lib
+from jaxspec.config import ModelConfig
+from jaxspec.model import Transformer
+from jaxspec.weights import WeightsError, source_kind
+from jaxspec.weights import checkpoint
+from jaxspec.weights import gguf as gguf_weights
+from jaxspec.weights import hf as hf_weights
+
+if TYPE_CHECKING:
+  from transformers import PreTrainedTokenizerBase
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  cfg: ModelConfig
+  model: Transformer
+  tokenizer: PreTrainedTokenizerBase | None   # None for a source that ships no tokenizer files
+  source: Path
+
+
+def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False) -> LoadedModel:
+  """Config, filled model at `dtype` and tokenizer for `spec` (see the module docstring)."""
+  path = Path(spec)
+  if not path.exists() and str(spec) in fetch_lib.DEMOS:
+    path = fetch_lib.default_checkpoint_dir() / str(spec)
+    if not checkpoint.is_checkpoint(path):
+      print(f"demo model {spec} is not in {path.parent} yet: fetching and converting it",
+            file=sys.stderr)
+      path = fetch_lib.fetch(str(spec), path.parent)
+  elif not path.exists():
+    raise WeightsError(f"{spec}: no such checkpoint dir, HF dir or GGUF file, and not a demo "
+                       f"model name ({', '.join(fetch_lib.DEMOS)})")
+  kind = source_kind(path)
+  if kind == "orbax":
+    cfg, model = checkpoint.load(path, dtype=dtype)
+    tokenizer = checkpoint.load_tokenizer(path)
+  elif kind == "hf":
+    cfg, model = hf_weights.load(path, dtype=dtype, progress=progress)
+    tokenizer = hf_weights.load_tokenizer(path)
+  else:
+    cfg, model = gguf_weights.load(path, dtype=dtype, progress=progress)
+    tokenizer = gguf_weights.load_tokenizer(path)
+  return LoadedModel(cfg=cfg, model=model, tokenizer=tokenizer, source=path)
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, prompt: str) -> str:
+  """`prompt` as one user turn in the tokenizer's chat template, ready for the assistant's reply."""
+  if tokenizer is None:
+    raise ValueError("--chat needs a tokenizer, but this model has none")
+  if not getattr(tokenizer, "chat_template", None):
+    raise ValueError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat "
+                     "template; run without --chat")
+  return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)

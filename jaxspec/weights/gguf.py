@@ -1,0 +1,235 @@
+"""GGUF file -> config (from its metadata), params (dequantized with `gguf`) and tokenizer.
+
+Facts about llama.cpp's layout this relies on:
+- Tensor data dequantizes to numpy in HF's [out, in] layout; names are llama.cpp's (`blk.3.attn_q`).
+- For llama-arch files, llama.cpp's converter permuted the rows of q_proj/k_proj (weights and
+  biases) within each head from rotate-half order to interleaved pairs, because its RoPE rotates
+  adjacent pairs. We rotate halves, so we undo that. qwen2/qwen3 files are not permuted.
+- Llama 3 RoPE scaling is not in the metadata: the converter stores the per-frequency divisors as a
+  `rope_freqs.weight` tensor instead.
+- There is no `output.weight` when the embeddings are tied.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxspec.config import ARCHITECTURES, ModelConfig, RopeScaling
+from jaxspec.model import Transformer
+from jaxspec.rope import inverse_frequencies
+from jaxspec.weights import ParamDict, WeightsError, build_model
+
+if TYPE_CHECKING:
+  from transformers import PreTrainedTokenizerBase
+
+
+def _same(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  return x
+
+
+def _transpose(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  return x.T   # [out, in] -> nnx.Linear's [in, out]
+
+
+def _unpermute(x: np.ndarray, heads: int) -> np.ndarray:
+  """Undo llama.cpp's per-head row permutation: rows (h, i, pair) -> (h, pair, i)."""
+  rows = x.shape[0]
+  return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def _q(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  return _unpermute(x, cfg.num_heads) if cfg.arch == "llama" else x
+
+
+def _k(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  return _unpermute(x, cfg.num_kv_heads) if cfg.arch == "llama" else x
+
+
+def _q_kernel(x, cfg):
+  return _q(x, cfg).T
+
+
+def _k_kernel(x, cfg):
+  return _k(x, cfg).T
+
+
+# The mapping table: GGUF tensor name -> (our param path, transform). `{i}` is the layer index.
+_GLOBAL: dict[str, tuple[str, Callable]] = {
+    "token_embd.weight": ("embed_tokens/embedding", _same),
+    "output_norm.weight": ("norm/weight", _same),
+    "output.weight": ("lm_head/kernel", _transpose),
+}
+_PER_LAYER: dict[str, tuple[str, Callable]] = {
+    "attn_norm.weight": ("input_layernorm/weight", _same),
+    "ffn_norm.weight": ("post_attention_layernorm/weight", _same),
+    "attn_q.weight": ("self_attn/q_proj/kernel", _q_kernel),
+    "attn_k.weight": ("self_attn/k_proj/kernel", _k_kernel),
+    "attn_v.weight": ("self_attn/v_proj/kernel", _transpose),
+    "attn_output.weight": ("self_attn/o_proj/kernel", _transpose),
+    "attn_q.bias": ("self_attn/q_proj/bias", _q),
+    "attn_k.bias": ("self_attn/k_proj/bias", _k),
+    "attn_v.bias": ("self_attn/v_proj/bias", _same),
+    "attn_q_norm.weight": ("self_attn/q_norm/weight", _same),
+    "attn_k_norm.weight": ("self_attn/k_norm/weight", _same),
+    "ffn_gate.weight": ("mlp/gate_proj/kernel", _transpose),
+    "ffn_up.weight": ("mlp/up_proj/kernel", _transpose),
+    "ffn_down.weight": ("mlp/down_proj/kernel", _transpose),
+}
+# Tensors that configure rather than parameterize the model (read by `read_config`).
+_CONFIG_TENSORS = ("rope_freqs.weight",)
+
+
+def key_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
+  table = dict(_GLOBAL)
+  for i in range(cfg.num_layers):
+    for name, (path, fn) in _PER_LAYER.items():
+      table[f"blk.{i}.{name}"] = (f"layers/{i}/{path}", fn)
+  return table
+
+
+def open_reader(path: str | Path) -> gguf.GGUFReader:
+  path = Path(path)
+  if not path.is_file():
+    raise WeightsError(f"GGUF file {path} does not exist")
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:   # the reader raises ValueError, struct.error, IndexError... on bad bytes
+    raise WeightsError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+
+
+class _Meta:
+  """Typed access to the metadata of one GGUF file, with errors that name the missing key."""
+
+  def __init__(self, reader: gguf.GGUFReader, source: str):
+    self.reader, self.source = reader, source
+
+  def get(self, key: str, default: Any = KeyError) -> Any:
+    field = self.reader.fields.get(key)
+    if field is None:
+      if default is KeyError:
+        raise WeightsError(f"{self.source}: GGUF metadata has no {key!r}")
+      return default
+    return field.contents()
+
+  def count(self, key: str) -> int | None:
+    field = self.reader.fields.get(key)
+    return None if field is None else len(field.data)
+
+
+def read_config(reader: gguf.GGUFReader, source: str = "GGUF file") -> ModelConfig:
+  """ModelConfig from the GGUF metadata (and the tensor list, for tying and llama3 RoPE)."""
+  meta = _Meta(reader, source)
+  arch = meta.get("general.architecture")
+  if arch not in ARCHITECTURES:
+    raise WeightsError(f"{source}: unsupported GGUF architecture {arch!r}; "
+                       f"supported: {', '.join(ARCHITECTURES)}")
+  tensors = {t.name: t for t in reader.tensors}
+  a = lambda key, default=KeyError: meta.get(f"{arch}.{key}", default)   # noqa: E731
+  hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
+  vocab = a("vocab_size", None) or meta.count("tokenizer.ggml.tokens")
+  if vocab is None:
+    raise WeightsError(f"{source}: GGUF metadata has neither {arch}.vocab_size nor a token list")
+  eos = [meta.get(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
+  cfg = ModelConfig(
+      arch=arch, vocab_size=int(vocab), hidden_size=hidden,
+      intermediate_size=int(a("feed_forward_length")), num_layers=int(a("block_count")),
+      num_heads=heads, num_kv_heads=int(a("attention.head_count_kv", heads)),
+      head_dim=int(a("attention.key_length", hidden // heads)),
+      rms_norm_eps=float(a("attention.layer_norm_rms_epsilon")),
+      rope_theta=float(a("rope.freq_base", 10000.0)),
+      qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm="blk.0.attn_q_norm.weight" in tensors,
+      tie_word_embeddings="output.weight" not in tensors,
+      max_position_embeddings=int(a("context_length")),
+      bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
+      eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)))
+  scaling = _rope_scaling(meta, arch, cfg, tensors.get("rope_freqs.weight"), source)
+  return dataclasses.replace(cfg, rope_scaling=scaling) if scaling else cfg
+
+
+def _rope_scaling(meta: _Meta, arch: str, cfg: ModelConfig, rope_freqs, source: str
+                  ) -> RopeScaling | None:
+  kind = meta.get(f"{arch}.rope.scaling.type", "none")
+  if rope_freqs is not None:
+    if kind != "none":
+      raise WeightsError(f"{source}: both rope_freqs.weight and rope.scaling.type={kind!r}")
+    return _llama3_from_factors(cfg, gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type),
+                                source)
+  if kind == "none":
+    return None
+  if kind != "yarn":
+    raise WeightsError(f"{source}: unsupported RoPE scaling type {kind!r}; supported: yarn, llama3")
+  r = lambda key, default=KeyError: meta.get(f"{arch}.rope.scaling.{key}", default)   # noqa: E731
+  # llama.cpp's attn_factor / log multiplier multiply the YaRN mscale in ways HF's config does not
+  # express one-to-one; refuse rather than guess.
+  if float(r("attn_factor", 1.0)) != 1.0 or float(r("yarn_log_multiplier", 0.0)) != 0.0:
+    raise WeightsError(f"{source}: YaRN with attn_factor / yarn_log_multiplier is not supported")
+  return RopeScaling(kind="yarn", factor=float(r("factor")),
+                     original_max_position_embeddings=int(r("original_context_length")),
+                     beta_fast=float(r("yarn_beta_fast", 32.0)), beta_slow=float(r("yarn_beta_slow", 1.0)))
+
+
+def _llama3_from_factors(cfg: ModelConfig, factors: np.ndarray, source: str) -> RopeScaling:
+  """Llama 3 scaling whose per-frequency divisors reproduce `rope_freqs.weight`.
+
+  The file stores only the divisors. Llama 3.x used low/high freq factors 1/4 and an original
+  context of 8192, with `factor` the largest divisor; accept that only if it reproduces every stored
+  divisor, so nothing is assumed that the data does not confirm.
+  """
+  factors = np.asarray(factors, np.float64).reshape(-1)
+  scaling = RopeScaling(kind="llama3", factor=float(factors.max()),
+                        original_max_position_embeddings=8192, low_freq_factor=1.0,
+                        high_freq_factor=4.0)
+  base, _ = inverse_frequencies(dataclasses.replace(cfg, rope_scaling=None))
+  scaled, _ = inverse_frequencies(dataclasses.replace(cfg, rope_scaling=scaling))
+  if factors.shape != base.shape or not np.allclose(base / scaled, factors, rtol=1e-4):
+    raise WeightsError(f"{source}: rope_freqs.weight does not match Llama 3 RoPE scaling "
+                       f"(factor={scaling.factor}, low/high freq factor 1/4, original context 8192); "
+                       "other frequency-factor tensors are not supported")
+  return scaling
+
+
+def read_params(reader: gguf.GGUFReader, cfg: ModelConfig, *, dtype=jnp.bfloat16,
+                progress: bool = False, source: str = "GGUF file") -> ParamDict:
+  """All tensors dequantized, mapped to param paths, as numpy arrays of `dtype`."""
+  table = key_map(cfg)
+  unknown = [t.name for t in reader.tensors if t.name not in table and t.name not in _CONFIG_TENSORS]
+  if unknown:
+    raise WeightsError(f"{source}: tensors with no place in the {cfg.arch} model: "
+                       f"{', '.join(sorted(unknown)[:8])}" + (" ..." if len(unknown) > 8 else ""))
+  np_dtype = jnp.dtype(dtype)
+  params: ParamDict = {}
+  for t in tqdm(reader.tensors, desc=f"dequantizing {Path(source).name}", unit="tensor",
+                disable=not progress):
+    if t.name in _CONFIG_TENSORS:
+      continue
+    path, fn = table[t.name]
+    x = gguf.quants.dequantize(t.data, t.tensor_type)
+    params[path] = np.ascontiguousarray(fn(x, cfg)).astype(np_dtype)
+  return params
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+  """A transformers tokenizer built from the GGUF's tokenizer metadata (vocab, merges, template)."""
+  from transformers import AutoTokenizer
+  path = Path(path)
+  try:
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+  except Exception as e:
+    raise WeightsError(f"{path}: transformers could not build a tokenizer from the GGUF "
+                       f"metadata: {type(e).__name__}: {e}") from e
+
+
+def load(path: str | Path, *, dtype=jnp.bfloat16, progress: bool = False
+         ) -> tuple[ModelConfig, Transformer]:
+  """(config, filled model) from a GGUF file."""
+  reader = open_reader(path)
+  cfg = read_config(reader, str(path))
+  params = read_params(reader, cfg, dtype=dtype, progress=progress, source=str(path))
+  return cfg, build_model(cfg, params, dtype=dtype, source=str(path))

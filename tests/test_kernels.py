@@ -1,0 +1,257 @@
+"""Pallas kernels (interpret mode on the CPU) against their pure-JAX references.
+
+Every test draws fresh random inputs. Cache positions a kernel must not read hold NaN, so reading
+one shows up as NaN in the output; interpret mode fills kernel output buffers with NaN before the
+kernel runs, so an element left unwritten shows up too.
+"""
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_attention as sp
+from pallas_kernels import topk_select as tk
+from pallas_kernels import verify_attention as va
+
+_SEED = itertools.count(1)
+_RNG = np.random.default_rng()
+
+
+def _key():
+  return jax.random.PRNGKey(int(_RNG.integers(1 << 30)) + next(_SEED))
+
+
+def _normal(shape, dtype=jnp.bfloat16):
+  return jax.random.normal(_key(), shape, jnp.float32).astype(dtype)
+
+
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _poison(x, keep):
+  """x [B, S, H, D]; keep [B, S] or [B, S, H] bool: NaN everywhere else."""
+  keep = keep if keep.ndim == 3 else keep[:, :, None]
+  return jnp.where(jnp.asarray(keep)[..., None], x, jnp.nan).astype(x.dtype)
+
+
+def _lengths(b, s, t):
+  """Lengths with the edge cases: empty cache, one entry, odd, full (lengths = S - T)."""
+  base = [0, 1, 37, s - t, int(_RNG.integers(0, s - t + 1))]
+  return np.array(base[:b], np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# verify_attention
+
+VERIFY_CASES = [
+    # T, Hq, Hkv, D, score_kind, score_rows, knobs
+    (1, 8, 2, 128, None, (0, -1), dict(block_k=16, num_splits=3)),       # GQA 4, decode
+    (1, 7, 1, 64, "logits", (0, -1), dict(block_k=16, num_splits=2)),    # GQA 7
+    (2, 2, 2, 64, "logits", (0, -1), dict(block_k=16, num_splits=3)),    # GQA 1
+    (7, 7, 1, 64, "weights", (0, -1), dict(block_k=32, num_splits=2)),
+    (12, 4, 1, 128, "logits", None, dict(block_k=16, num_splits=3)),     # all rows
+    (12, 8, 2, 64, "weights", None, dict(block_k=16, num_splits=4)),
+    (7, 4, 1, 128, "logits", (1, 3), {}),                                # default knobs
+]
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,kind,rows,knobs", VERIFY_CASES)
+def test_verify_attention(t, hq, hkv, d, kind, rows, knobs):
+  b, s = 4, 80   # 80: not a multiple of the blocks; lengths hit 0, 1, odd and S - T
+  q = _normal((b, t, hq, d))
+  k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
+  lengths = _lengths(b, s, t)
+  seen = np.arange(s)[None] < (lengths + t)[:, None]
+  out, scores = va.verify_attention(q, _poison(k, seen), _poison(v, seen), jnp.asarray(lengths),
+                                    score_kind=kind, score_rows=rows, interpret=True, **knobs)
+  ref, ref_scores = va.verify_attention_reference(q, k, v, jnp.asarray(lengths),
+                                                  score_kind=kind, score_rows=rows)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert _rel_err(out, ref) < 1e-2
+  if kind is None:
+    assert scores is None
+    return
+  sc, rs = np.asarray(scores, np.float32), np.asarray(ref_scores, np.float32)
+  assert scores.shape == (b, s) and scores.dtype == jnp.bfloat16
+  assert not np.isnan(sc).any()
+  np.testing.assert_array_equal(np.isinf(sc), np.isinf(rs))     # -inf exactly where unseen
+  fin = np.isfinite(rs)
+  np.testing.assert_allclose(sc[fin], rs[fin], rtol=2e-2, atol=2e-2 * np.abs(rs[fin]).max())
+  # The ranking: the top-k set of the kernel's scores is the reference's, where no near-tie
+  # sits at the boundary.
+  for i in range(b):
+    n = int(fin[i].sum())
+    kk = min(5, n - 1)
+    if kk < 1:
+      continue
+    order = np.argsort(-rs[i][fin[i]], kind="stable")
+    vals = rs[i][fin[i]][order]
+    if vals[kk - 1] - vals[kk] <= 2e-2 * np.abs(vals).max():
+      continue
+    got = np.argsort(-np.where(fin[i], sc[i], -np.inf), kind="stable")[:kk]
+    assert set(got) == set(np.flatnonzero(fin[i])[order[:kk]])
+
+
+def test_verify_partials_fully_written():
+  """Every partial output element that the combine reads was written by the kernel."""
+  b, s, t, hq, hkv, d = 3, 70, 3, 4, 2, 64
+  g = hq // hkv
+  q = _normal((b, hkv, 16, d))
+  k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
+  lengths = jnp.array([0, 22, s - t], jnp.int32)
+  fn = functools.partial(va._verify_unbatched, sm_scale=0.1, t=t, g=g, block_k=16, num_splits=3,
+                         score_rows=(0, 2), num_warps=4, num_stages=2, interpret=True)
+  o, m, l, part = jax.vmap(fn)(q, k, v, lengths)
+  for x in (o, m, l):
+    assert not np.isnan(np.asarray(x)).any()
+  part = np.asarray(part)                                    # [B, Hkv, S]
+  for i, n in enumerate(np.asarray(lengths)):
+    assert not np.isnan(part[i, :, :n + 1]).any()            # keys seen by both collected rows
+
+
+def test_verify_attention_bad_shapes():
+  q = jnp.zeros((2, 3, 4, 64), jnp.bfloat16)
+  k = jnp.zeros((2, 50, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError):
+    va.verify_attention(q, k, k, jnp.zeros((3,), jnp.int32), interpret=True)
+  with pytest.raises(ValueError):
+    va.verify_attention(q, k[..., :32], k[..., :32], jnp.zeros((2,), jnp.int32), interpret=True)
+  with pytest.raises(ValueError):
+    va.verify_attention(q[:, :, :3], k, k, jnp.zeros((2,), jnp.int32), interpret=True)
+  with pytest.raises(ValueError):
+    va.verify_attention(q, k, k, jnp.zeros((2,), jnp.int32), score_kind="probs", interpret=True)
+  with pytest.raises(ValueError):
+    va.verify_attention(q, k, k, jnp.zeros((2,), jnp.int32), block_k=24, interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# sparse_attention
+
+def _selection(b, hkv, s, kk, tail_start, per_head, count_mode):
+  """Distinct random positions below tail_start; count_mode 'all', 'zero' or 'random'."""
+  shape = (b, hkv) if per_head else (b,)
+  idx = np.zeros(shape + (kk,), np.int32)
+  cnt = np.zeros(shape, np.int32)
+  for pos in np.ndindex(*shape):
+    avail = int(tail_start[pos[0]])
+    c = {"all": min(kk, avail), "zero": 0,
+         "random": int(_RNG.integers(0, min(kk, avail) + 1))}[count_mode]
+    idx[pos][:c] = _RNG.permutation(avail)[:c]
+    idx[pos][c:] = _RNG.integers(0, s, kk - c)       # padding: any value, never read
+    cnt[pos] = c
+  return idx, cnt
+
+
+SPARSE_CASES = [
+    # T, Hq, Hkv, D, per_head, K, count_mode, knobs
+    (1, 4, 1, 64, False, 90, "all", dict(block_k=16, num_splits=3)),     # K = whole prefix
+    (2, 8, 2, 128, True, 40, "random", dict(block_k=16, num_splits=2)),  # per-head lists
+    (7, 7, 1, 64, False, 0, "zero", {}),                                  # K = 0: tail only
+    (12, 2, 2, 128, True, 24, "zero", dict(block_k=16, tail_splits=3)),  # empty rows, GQA 1
+    (12, 4, 1, 64, False, 33, "random", dict(block_k=16, num_splits=2, tail_splits=2)),
+]
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,per_head,kk,count_mode,knobs", SPARSE_CASES)
+def test_sparse_attention(t, hq, hkv, d, per_head, kk, count_mode, knobs):
+  b, s = 4, 100
+  q = _normal((b, t, hq, d))
+  k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
+  lengths = _lengths(b, s, t)
+  # Tails: the whole new block, a longer recent window, an empty one (rows see only the
+  # selection, or nothing), and one starting mid-way.
+  tail_start = np.array([lengths[0], max(lengths[1] - 5, 0), lengths[2] + t, lengths[3] - 9])
+  tail_start = np.clip(tail_start, 0, s).astype(np.int32)
+  idx, cnt = _selection(b, hkv, s, kk, tail_start, per_head, count_mode)
+  args = (jnp.asarray(idx), jnp.asarray(cnt), jnp.asarray(tail_start), jnp.asarray(lengths))
+  # Poison every cache entry that no row may see.
+  keep = np.zeros((b, s, hkv), bool)
+  for i in range(b):
+    keep[i, tail_start[i]:lengths[i] + t] = True
+    for h in range(hkv):
+      sel = idx[i, h, :cnt[i, h]] if per_head else idx[i, :cnt[i]]
+      keep[i, sel, h] = True
+  out = sp.sparse_attention(q, _poison(k, keep), _poison(v, keep), *args, interpret=True, **knobs)
+  ref = sp.sparse_attention_reference(q, k, v, *args)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert not np.isnan(np.asarray(out, np.float32)).any()
+  assert not np.isnan(np.asarray(ref, np.float32)).any()
+  assert _rel_err(out, ref) < 1e-2
+
+
+def test_sparse_fully_masked_rows_are_zero():
+  b, s, t, hq, hkv, d = 2, 40, 3, 4, 2, 64
+  q = _normal((b, t, hq, d))
+  k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
+  idx = jnp.zeros((b, 8), jnp.int32)
+  out = sp.sparse_attention(q, k, v, idx, jnp.zeros((b,), jnp.int32),
+                            jnp.full((b,), s, jnp.int32), jnp.array([5, 30], jnp.int32),
+                            interpret=True)
+  ref = sp.sparse_attention_reference(q, k, v, idx, jnp.zeros((b,), jnp.int32),
+                                      jnp.full((b,), s, jnp.int32), jnp.array([5, 30], jnp.int32))
+  assert not np.asarray(out, np.float32).any()
+  assert not np.asarray(ref, np.float32).any()
+
+
+def test_sparse_attention_bad_shapes():
+  q = jnp.zeros((2, 1, 4, 64), jnp.bfloat16)
+  k = jnp.zeros((2, 50, 2, 64), jnp.bfloat16)
+  z = jnp.zeros((2,), jnp.int32)
+  with pytest.raises(ValueError):
+    sp.sparse_attention(q, k, k, jnp.zeros((2, 3, 8), jnp.int32), jnp.zeros((2, 3), jnp.int32),
+                        z, z, interpret=True)
+  with pytest.raises(ValueError):
+    sp.sparse_attention(q, k, k, jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 2), jnp.int32), z, z,
+                        interpret=True)
+  with pytest.raises(ValueError):
+    sp.sparse_attention(q, k, k, jnp.zeros((2, 8), jnp.int32), z, z[:1], z, interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# topk_select
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("data", ["normal", "ties", "special"])
+def test_topk_select_matches_reference_set(dtype, data):
+  b, l = 5, 700
+  x = _RNG.standard_normal((b, l)).astype(np.float32)
+  if data == "ties":
+    x = np.round(x * 2)                       # few distinct values: ties across the boundary
+  elif data == "special":
+    x[:, ::5] = -np.inf
+    x[:, 3::11] = np.nan
+    x[:, 7] = np.inf
+  lengths = np.array([0, 1, 333, l, int(_RNG.integers(1, l))], np.int32)
+  scores = jnp.asarray(x, dtype)
+  kw = dict(ratio=0.07, min_tokens=8, k_max=60)
+  idx, cnt = tk.topk_select(scores, jnp.asarray(lengths), **kw)
+  ref, ref_cnt = tk.topk_select_reference(scores, jnp.asarray(lengths), **kw)
+  idx, cnt, ref, ref_cnt = map(np.asarray, (idx, cnt, ref, ref_cnt))
+  np.testing.assert_array_equal(cnt, ref_cnt)
+  want = np.ceil(np.float32(0.07) * lengths.astype(np.float32))   # the budget rule is in f32
+  np.testing.assert_array_equal(cnt, np.minimum(np.minimum(np.maximum(want, 8), lengths), 60))
+  for i in range(b):
+    c = cnt[i]
+    assert set(idx[i, :c]) == set(ref[i, :c])        # same set, ties to the lower position
+    assert np.all(np.diff(idx[i, :c]) > 0)           # ascending positions
+    assert np.all(idx[i, :c] < max(lengths[i], 1))
+    assert not idx[i, c:].any()                      # padding is 0
+
+
+def test_topk_select_top_k_method_is_reference():
+  scores = _normal((3, 200), jnp.float32)
+  lengths = jnp.array([5, 100, 200], jnp.int32)
+  a = tk.topk_select(scores, lengths, ratio=0.1, min_tokens=2, k_max=20, method="top_k")
+  r = tk.topk_select_reference(scores, lengths, ratio=0.1, min_tokens=2, k_max=20)
+  for x, y in zip(a, r):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ValueError):
+    tk.topk_select(scores, lengths, ratio=0.1, min_tokens=2, k_max=201)
+  with pytest.raises(ValueError):
+    tk.topk_select(scores, lengths[:2], ratio=0.1, min_tokens=2, k_max=20)
