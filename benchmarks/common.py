@@ -58,11 +58,21 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10) -> flo
   return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-  """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+def copy_bandwidth(nbytes: int = 4 << 30, chain: int = 10) -> float:
+  """Device copy bandwidth in bytes/s, counting bytes read plus bytes written.
+
+  `chain` back-to-back launches per timed call, so host dispatch and synchronisation (tens of
+  microseconds each) do not dilute a ~1 ms kernel.
+  """
   x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
   f = jax.jit(lambda a: -a)  # a real read + write kernel (a plain copy may be elided)
-  t = time_fn(lambda: f(x), warmup=3, reps=20)
+
+  def launches():
+    y = None
+    for _ in range(chain):
+      y = f(x)
+    return y
+  t = time_fn(launches, warmup=2, reps=5) / chain
   return 2 * nbytes / t
 
 

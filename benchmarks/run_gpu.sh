@@ -33,10 +33,11 @@ for step in "$@"; do
       python3 -m benchmarks.decode --model=random:qwen3-8b --batch_sizes=4 --contexts=131072 \
         --steps=8 --reps=3 --out=$OUT/decode_qwen3_8b.json 2>&1 | tail -4 ;;
     throughput)
-      python3 -m benchmarks.throughput --model=$CKPT --workload=long --batch=16 \
-        --methods=none,streaming,vegas --gammas=vegas=6,default=4 --max_new_tokens=512 \
-        --num_requests=64 --warmup_s=15 --measure_s=40 --noprofile \
-        --out=$OUT/throughput_long.json 2>&1 | tail -8 ;;
+      # --ignore_eos: the 0.5B coder ends most answers early; the paper's workloads keep long contexts.
+      python3 -m benchmarks.throughput --model=$CKPT --workload=long --batch=64 \
+        --methods=none,streaming,quest,vegas-all,vegas --gammas=vegas=6,vegas-all=6,default=4 \
+        --max_new_tokens=1024 --ignore_eos --num_requests=512 --warmup_s=10 --measure_s=25 \
+        --noprofile --out=$OUT/throughput_long.json 2>&1 | tail -9 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -55,6 +55,8 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling (the paper's Qwe
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "")
 _TOP_K = flags.DEFINE_integer("top_k", 20, "")
 _SEED = flags.DEFINE_integer("seed", 0, "")
+_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens for every request "
+                                 "(steady long contexts when the model would stop early)")
 _PROFILE = flags.DEFINE_bool("profile", True, "measure phase time shares (speculative methods)")
 _OUT = flags.DEFINE_string("out", None, "JSON path (default benchmarks/out/throughput_<workload>.json)")
 
@@ -129,6 +131,8 @@ def main(argv):
     prompts = workloads.long_prompts(tok, _REQUESTS.value, _PROMPT_MIN.value, _PROMPT_MAX.value,
                                      _SEED.value)
   stop_ids = tuple(sorted(set(loaded.cfg.eos_token_ids) | {tok.eos_token_id} - {None}))
+  if _IGNORE_EOS.value:
+    stop_ids = ()
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   capacity_len = max(len(p) for p in prompts) + max_new
   rows = []
@@ -148,18 +152,20 @@ def main(argv):
     rows.append(row)
     print(row, file=sys.stderr)
     write_json(out_path, dict(header, rows=rows))   # keep what finished if a later method dies
-  base = next((r["tokens_per_s"] for r in rows if r.get("method") == "none" and "error" not in r),
-              None)
-  print(f"\n{'method':<12} {'g':>2} {'tok/s':>9} {'x none':>7} {'acc/round':>9} {'draft':>6} "
-        f"{'verify':>6} {'select':>6}")
+  base = next((r for r in rows if r.get("method") == "none" and r.get("tokens_per_s")), None)
+  print(f"\n{'method':<12} {'g':>2} {'tok/s':>8} {'x none':>6} {'decode tok/s':>12} {'x none':>6} "
+        f"{'acc/round':>9} {'draft':>5} {'verify':>6} {'select':>6}")
   for r in rows:
-    if "error" in r:
-      print(f"{r['method']:<12} error: {r['error'][:80]}")
+    if "error" in r or r.get("tokens_per_s") is None:
+      print(f"{r['method']:<12} {r.get('error', 'nothing measured (stream ran out in warm-up)')[:80]}")
       continue
     ph = r.get("phases", {})
-    print(f"{r['method']:<12} {r['gamma']:>2} {r['tokens_per_s']:>9.1f} "
-          f"{(r['tokens_per_s'] / base if base else float('nan')):>7.2f} "
-          f"{r.get('mean_accepted_tokens', 1.0):>9.2f} {ph.get('draft_share', 0):>6.2f} "
+    x = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+    xd = (r["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"] if base
+          else float("nan"))
+    print(f"{r['method']:<12} {r['gamma'] if r['method'] != 'none' else '-':>2} "
+          f"{r['tokens_per_s']:>8.0f} {x:>6.2f} {r['decode_only_tokens_per_s']:>12.0f} {xd:>6.2f} "
+          f"{r.get('mean_accepted_tokens', 1.0):>9.2f} {ph.get('draft_share', 0):>5.2f} "
           f"{ph.get('verify_share', 0):>6.2f} {ph.get('select_share', 0):>6.2f}")
 
 

@@ -1,0 +1,91 @@
+"""Lossless speculative sampling (Leviathan et al., 2023) as pure, vectorized functions.
+
+Given gamma draft tokens x_1..x_gamma drawn from the draft distributions q_1..q_gamma and the target
+distributions p_1..p_{gamma+1} computed in one verification pass:
+  * draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)), in order, up to the first
+    rejection;
+  * at the first rejected position i the corrected token is drawn from norm(max(0, p_i - q_i));
+  * if all gamma drafts are accepted, the bonus token is drawn from p_{gamma+1}.
+The emitted tokens are then distributed exactly as gamma + 1 tokens sampled from p one at a time.
+
+p and q both come from `sampling.probabilities`, so the same transforms (temperature, top-k, top-p,
+min-p) shape both: the output follows the *transformed* target distribution, as plain sampling
+does. With greedy settings those probabilities are one-hot argmaxes and the rule reduces to argmax
+agreement; `verify_greedy` takes that path directly (no random numbers, no [B, gamma, V] tensors).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.sampling import SamplingParams, probabilities
+
+
+@struct.dataclass
+class Verdict:
+  accepted: jax.Array     # [B] int32 in [0, gamma]: leading drafts accepted
+  next_token: jax.Array   # [B] int32: the corrected token (accepted < gamma) or the bonus token
+
+
+def leading_true(ok: jax.Array) -> jax.Array:
+  """ok [B, gamma] bool -> [B] int32: length of the all-True prefix of each row."""
+  return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:
+  """norm(max(0, p - q)) over the last axis. Where p <= q everywhere (a rejection there has
+  probability 0, but floating point may still land on it) fall back to p."""
+  r = jnp.maximum(p - q, 0.0)
+  total = jnp.sum(r, axis=-1, keepdims=True)
+  return jnp.where(total > 0, r / jnp.where(total > 0, total, 1.0), p)
+
+
+def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
+  """One token per row of probs [..., V] -> int32 [...]."""
+  return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def verify_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Verdict:
+  """Greedy verification: accept drafts while they equal the target argmax; the next token is the
+  target argmax at the first mismatch (the correction) or after the last draft (the bonus).
+
+  draft_tokens [B, gamma], target_logits [B, gamma + 1, V].
+  """
+  target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)            # [B, gamma + 1]
+  accepted = leading_true(draft_tokens == target[:, :-1])
+  next_token = jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0]
+  return Verdict(accepted=accepted, next_token=next_token)
+
+
+def verify_sampled(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
+                   target_probs: jax.Array) -> Verdict:
+  """Speculative sampling from probabilities: draft_tokens [B, gamma] drawn from draft_probs
+  q [B, gamma, V]; target_probs p [B, gamma + 1, V]."""
+  gamma = draft_tokens.shape[1]
+  k_accept, k_resample = jax.random.split(key)
+  p_draft = target_probs[:, :gamma]
+  px = jnp.take_along_axis(p_draft, draft_tokens[..., None], axis=-1)[..., 0]   # [B, gamma]
+  qx = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+  u = jax.random.uniform(k_accept, px.shape, jnp.float32)
+  # u < p/q written without the division: q(x) > 0 for a token drawn from q.
+  accepted = leading_true(u * qx < px)
+  # The distribution of the next token: the residual at the first rejection, else the bonus p.
+  at = jnp.minimum(accepted, gamma - 1)[:, None, None]
+  residual = residual_distribution(jnp.take_along_axis(p_draft, at, axis=1)[:, 0],
+                                   jnp.take_along_axis(draft_probs, at, axis=1)[:, 0])
+  dist = jnp.where((accepted == gamma)[:, None], target_probs[:, gamma], residual)
+  return Verdict(accepted=accepted, next_token=sample_from_probs(k_resample, dist))
+
+
+def verify_drafts(key: jax.Array, draft_tokens: jax.Array, draft_logits: jax.Array | None,
+                  target_logits: jax.Array, sampling: SamplingParams) -> Verdict:
+  """Accept/reject gamma drafts against the verification logits under `sampling`.
+
+  draft_logits [B, gamma, V] (the logits each draft was sampled from; unused, may be None, when
+  greedy), target_logits [B, gamma + 1, V]. Both go through `sampling.probabilities`.
+  """
+  if sampling.greedy:
+    return verify_greedy(draft_tokens, target_logits)
+  return verify_sampled(key, draft_tokens, probabilities(draft_logits, sampling),
+                        probabilities(target_logits, sampling))

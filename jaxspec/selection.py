@@ -1,0 +1,294 @@
+"""KV selection policies for self-speculative drafting: which cache entries a draft step attends to.
+
+One small interface (`SelectionPolicy`), one frozen, hashable dataclass per policy (static under
+jit). Every round the loop asks a policy three things:
+
+  verify_plan(backend)   what the full-attention verification pass must also collect (scores)
+  select_kv(cache, scores, first_row, accepted, backend) -> Selection
+                         runs after verification (and once after prefill), with the lengths
+                         already moved to the accepted prefix
+  draft_plan(selection, backend)
+                         the AttentionPlan of every draft step of the next round
+
+A Selection is "selected prefix positions + a dense tail": the drafts see indices[:counts] of the
+cache before `tail_start`, plus every position from `tail_start` on (the tokens accepted since the
+scores were taken, and the drafts themselves). `first_row` is the cache position of the first
+query row the scores came from, so the keys every collected row saw are [0, first_row].
+
+Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `budget`):
+  vegas       Collect-2-Query scores (first draft row + bonus row, mean over query heads) of the
+              last verification -> per-layer top-k over the keys both rows saw; `score_kind`
+              'logits' (the paper's choice) or 'weights'.
+  vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation).
+  vegas-last  only the last accepted token's row. The corrected/bonus token itself (the paper's
+              "last accepted token", its App. A) is not a query of this verification (it is fed
+              next round), so we take the row that produced it: row a (input d_a, or the previous
+              last token when a = 0), the newest token in the cache, which saw the whole accepted
+              prefix. Its index varies per sequence and is known only from the verification's
+              logits, i.e. after every attention layer ran, so verification dumps every row's
+              scores ([L, B, T, S], `score_per_row`) and the policy gathers row a per sequence.
+  specextend  SpecExtend's cross-model retrieval applied layer-wise (as the Vegas paper does for its
+              baseline): the last accepted token's softmax *weights* from the same all-rows dump,
+              summed per 16-token page, top pages at the same token budget.
+  streaming   StreamingLLM / MagicDec-Stream: 4 attention-sink tokens + the most recent window,
+              together the same token budget.
+  quest       Quest / MagicDec-Quest: per-page (16 tokens) channel-wise min/max key summaries,
+              refreshed once per round here; the page scores are recomputed at every draft step
+              from that step's query inside the attention ('quest' plan mode), per KV head; the top
+              ceil(k / 16) full pages, the partial last page in the dense tail.
+  dense       full attention while drafting (the acceptance upper bound).
+The vanilla method 'none' has no policy (`jaxspec.speculative` delegates it to `decode.generate`).
+
+The first round after prefill: the prefill's own full attention gives one free score row, each
+prompt's last token against the whole prompt (`AttentionPlan(mode='prefill', score_kind=...)`).
+It is the query closest to the first drafts, so every score-based policy selects from it (with
+first_row = prompt_len - 1, accepted = 0 it is exactly the 'last accepted token' row vegas-last and
+specextend use later). Streaming and quest need no scores.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec import pages
+from jaxspec.attention import AttentionPlan
+from jaxspec.kv_cache import KVCache
+from pallas_kernels import topk_select as _topk
+
+METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
+SCORE_KINDS = ("logits", "weights")
+NUM_SINKS = 4   # StreamingLLM's attention sinks
+
+
+@struct.dataclass
+class Selection:
+  """What the next round's draft steps attend to (fields a policy does not use stay small)."""
+  indices: jax.Array      # [L, B, K] int32 selected positions (< tail_start)
+  counts: jax.Array       # [L, B] int32 valid entries of indices (quest: pages to keep)
+  tail_start: jax.Array   # [B] int32 dense from here on
+  page_min: jax.Array | None = None   # quest: [L, B, P, Hkv, D]
+  page_max: jax.Array | None = None
+
+
+def static_k_max(capacity: int, ratio: float, min_tokens: int) -> int:
+  """Static size of the index buffers: the largest budget any prefix length <= capacity needs."""
+  return max(1, min(capacity, max(min_tokens, math.ceil(ratio * capacity))))
+
+
+def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
+  """Tokens to keep per sequence: clamp(ceil(ratio * len), min_tokens, len), at most k_max."""
+  return _topk.budget(lengths, ratio, min_tokens, k_max)
+
+
+def topk_select(scores: jax.Array, lengths: jax.Array, *, ratio: float, min_tokens: int,
+                k_max: int, backend: str) -> tuple[jax.Array, jax.Array]:
+  """Top-k positions of scores [N, S] among the first lengths[n]: (indices [N, k_max], counts [N]).
+
+  `lax.top_k` (the reference) on every backend for now: the radix select in
+  `pallas_kernels.topk_select` is faster at N=16 rows (benchmarks/RESULTS.md) but asked for a
+  160 GiB allocation on the H200 at N = 24 layers x 64 sequences x 33K positions (the long
+  workload's first selection), which is not yet understood. `backend` is kept for when it is.
+  """
+  del backend
+  return _topk.topk_select_reference(scores, lengths, ratio=ratio, min_tokens=min_tokens,
+                                     k_max=k_max)
+
+
+def _per_layer_topk(scores, prefix, *, ratio, min_tokens, k_max, backend):
+  """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B])."""
+  n_layers, b, s = scores.shape
+  idx, cnt = topk_select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers),
+                         ratio=ratio, min_tokens=min_tokens, k_max=k_max, backend=backend)
+  return idx.reshape(n_layers, b, k_max), cnt.reshape(n_layers, b)
+
+
+def _row_of_last_accepted(scores, accepted):
+  """scores [L, B, T, S] (all-rows dump) or [L, B, S] (a single row) -> [L, B, S]."""
+  if scores.ndim == 3:
+    return scores
+  return jnp.take_along_axis(scores, accepted[None, :, None, None], axis=2)[:, :, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionPolicy:
+  """Base: token budget settings shared by every policy. Subclasses override the three hooks."""
+  ratio: float = 0.07
+  min_tokens: int = 256
+  k_max: int = 256
+  score_kind: str = "logits"
+  name: ClassVar[str] = ""
+
+  @property
+  def prefill_score_kind(self) -> str | None:
+    """Score kind the prefill must return for the first round (None: no scores needed)."""
+    return None
+
+  def verify_plan(self, backend: str) -> AttentionPlan:
+    return AttentionPlan(mode="dense", backend=backend)
+
+  def select_kv(self, cache: KVCache, scores: jax.Array | None, first_row: jax.Array,
+                accepted: jax.Array, backend: str) -> Selection:
+    raise NotImplementedError
+
+  def draft_plan(self, sel: Selection, backend: str) -> AttentionPlan:
+    return AttentionPlan(mode="sparse", backend=backend, indices=sel.indices, counts=sel.counts,
+                         tail_start=sel.tail_start)
+
+  def _empty(self, cache: KVCache) -> Selection:
+    n_layers, b = len(cache.k), cache.batch
+    return Selection(indices=jnp.zeros((n_layers, b, 1), jnp.int32),
+                     counts=jnp.zeros((n_layers, b), jnp.int32),
+                     tail_start=jnp.zeros((b,), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense(SelectionPolicy):
+  name: ClassVar[str] = "dense"
+
+  def select_kv(self, cache, scores, first_row, accepted, backend):
+    return self._empty(cache)
+
+  def draft_plan(self, sel, backend):
+    return AttentionPlan(mode="dense", backend=backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class Vegas(SelectionPolicy):
+  """Verification-guided top-k over the keys every collected row saw, per layer."""
+  name: ClassVar[str] = "vegas"
+  score_rows: ClassVar[tuple[int, ...] | None] = (0, -1)   # Collect-2-Query
+
+  @property
+  def prefill_score_kind(self):
+    return self.score_kind
+
+  def verify_plan(self, backend):
+    return AttentionPlan(mode="dense", backend=backend, score_kind=self.score_kind,
+                         score_rows=self.score_rows)
+
+  def select_kv(self, cache, scores, first_row, accepted, backend):
+    if scores.ndim == 4:   # never for vegas; guard against a mismatched verify plan
+      raise ValueError("vegas expects row-averaged scores [L, B, S]")
+    prefix = first_row + 1
+    idx, cnt = _per_layer_topk(scores, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
+                               k_max=self.k_max, backend=backend)
+    return Selection(indices=idx, counts=cnt, tail_start=prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class VegasAll(Vegas):
+  name: ClassVar[str] = "vegas-all"
+  score_rows: ClassVar[tuple[int, ...] | None] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VegasLast(SelectionPolicy):
+  """Top-k of the last accepted token's row (the row whose output was the corrected/bonus token)."""
+  name: ClassVar[str] = "vegas-last"
+
+  @property
+  def prefill_score_kind(self):
+    return self.score_kind
+
+  def verify_plan(self, backend):
+    return AttentionPlan(mode="dense", backend=backend, score_kind=self.score_kind,
+                         score_per_row=True)
+
+  def select_kv(self, cache, scores, first_row, accepted, backend):
+    prefix = first_row + accepted + 1        # the keys that row saw: the whole accepted prefix
+    idx, cnt = _per_layer_topk(_row_of_last_accepted(scores, accepted), prefix, ratio=self.ratio,
+                               min_tokens=self.min_tokens, k_max=self.k_max, backend=backend)
+    return Selection(indices=idx, counts=cnt, tail_start=prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecExtend(SelectionPolicy):
+  """The last accepted token's attention weights, per layer, aggregated to 16-token pages."""
+  name: ClassVar[str] = "specextend"
+
+  @property
+  def prefill_score_kind(self):
+    return "weights"
+
+  def verify_plan(self, backend):
+    return AttentionPlan(mode="dense", backend=backend, score_kind="weights", score_per_row=True)
+
+  def select_kv(self, cache, scores, first_row, accepted, backend):
+    prefix = first_row + accepted + 1
+    row = _row_of_last_accepted(scores, accepted).astype(jnp.float32)      # [L, B, S]
+    n_layers, b, s = row.shape
+    mass = jnp.where(jnp.isfinite(row), row, 0.0).reshape(n_layers, b, s // pages.PAGE_SIZE,
+                                                            pages.PAGE_SIZE).sum(-1)
+    n_full = prefix // pages.PAGE_SIZE
+    want = pages.pages_for_budget(budget(prefix, self.ratio, self.min_tokens, self.k_max))
+    idx, cnt = pages.top_pages(mass, n_full[None], want[None],
+                               pages.pages_for_budget(self.k_max), pages.PAGE_SIZE)
+    return Selection(indices=idx, counts=cnt, tail_start=n_full * pages.PAGE_SIZE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming(SelectionPolicy):
+  """Attention sinks + recent window: sinks as indices, the window as the dense tail."""
+  name: ClassVar[str] = "streaming"
+
+  def select_kv(self, cache, scores, first_row, accepted, backend):
+    lengths = cache.lengths
+    k = budget(lengths, self.ratio, self.min_tokens, self.k_max)
+    sinks = jnp.minimum(NUM_SINKS, k)
+    window = k - sinks
+    n_layers, b = len(cache.k), cache.batch
+    idx = jnp.broadcast_to(jnp.arange(NUM_SINKS, dtype=jnp.int32), (n_layers, b, NUM_SINKS))
+    return Selection(indices=idx, counts=jnp.broadcast_to(sinks, (n_layers, b)),
+                     tail_start=lengths - window)
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest(SelectionPolicy):
+  """Quest: page summaries once per round; per-step page choice inside the 'quest' attention."""
+  name: ClassVar[str] = "quest"
+
+  def select_kv(self, cache, scores, first_row, accepted, backend):
+    lengths = cache.lengths
+    n_full = lengths // pages.PAGE_SIZE
+    want = pages.pages_for_budget(budget(lengths, self.ratio, self.min_tokens, self.k_max))
+    page_min, page_max = pages.page_summaries(jnp.stack(cache.k), pages.PAGE_SIZE)
+    n_layers = len(cache.k)
+    return Selection(indices=jnp.zeros((n_layers, cache.batch, 1), jnp.int32),
+                     counts=jnp.broadcast_to(jnp.minimum(want, n_full), (n_layers, cache.batch)),
+                     tail_start=n_full * pages.PAGE_SIZE, page_min=page_min, page_max=page_max)
+
+  def draft_plan(self, sel, backend):
+    return AttentionPlan(mode="quest", backend=backend, counts=sel.counts,
+                         tail_start=sel.tail_start, page_min=sel.page_min, page_max=sel.page_max,
+                         max_pages=pages.pages_for_budget(self.k_max))
+
+
+POLICIES: dict[str, type[SelectionPolicy]] = {
+    cls.name: cls for cls in (Dense, Vegas, VegasAll, VegasLast, SpecExtend, Streaming, Quest)}
+
+
+def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str) -> None:
+  """Raise a clear ValueError for settings no policy accepts."""
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+  if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+    raise ValueError(f"sparsity ratio must be in (0, 1], got {ratio!r}")
+  if not isinstance(min_tokens, int) or min_tokens < 0:
+    raise ValueError(f"min_tokens must be a non-negative integer, got {min_tokens!r}")
+  if score_kind not in SCORE_KINDS:
+    raise ValueError(f"score mode must be one of {', '.join(SCORE_KINDS)}, got {score_kind!r}")
+
+
+def make_policy(method: str, *, ratio: float, min_tokens: int, k_max: int,
+                score_kind: str = "logits") -> SelectionPolicy:
+  """The policy for a speculative method name (not 'none', which has no drafting)."""
+  validate(method, ratio=ratio, min_tokens=min_tokens, score_kind=score_kind)
+  if method == "none":
+    raise ValueError("method 'none' is vanilla decoding: it has no selection policy")
+  return POLICIES[method](ratio=float(ratio), min_tokens=min_tokens, k_max=k_max,
+                          score_kind=score_kind)

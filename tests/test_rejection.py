@@ -1,0 +1,133 @@
+"""Speculative sampling as pure functions: the accept/resample output follows p, exactly."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import rejection
+from jaxspec.sampling import SamplingParams, probabilities
+
+V, GAMMA, N = 6, 3, 200_000
+verify_drafts = jax.jit(rejection.verify_drafts, static_argnames=("sampling",))
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+  """Goodness of fit of counts to probs (cells with zero probability must be empty)."""
+  n = counts.sum()
+  if (counts[probs == 0] > 0).any():   # a token the target cannot produce was emitted
+    return 0.0
+  keep = probs > 0
+  stat = float((((counts - n * probs) ** 2)[keep] / (n * probs[keep])).sum())
+  df = int(keep.sum()) - 1
+  return float(jax.scipy.special.gammaincc(df / 2, stat / 2))
+
+
+def random_dists(seed):
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet(np.ones(V) * 0.7, size=GAMMA + 1)
+  q = rng.dirichlet(np.ones(V) * 0.7, size=GAMMA)
+  p[0, 5] = 0.0          # a token the target never emits but the draft may propose
+  p[0] /= p[0].sum()
+  return p.astype(np.float32), q.astype(np.float32)
+
+
+def run_sampled(p, q, seed=0):
+  """N independent rounds with fixed per-position p [gamma+1, V] and q [gamma, V]."""
+  k_draft, k_verify = jax.random.split(jax.random.PRNGKey(seed))
+  qb = jnp.broadcast_to(jnp.asarray(q), (N, GAMMA, V))
+  pb = jnp.broadcast_to(jnp.asarray(p), (N, GAMMA + 1, V))
+  drafts = jax.random.categorical(k_draft, jnp.log(qb), axis=-1).astype(jnp.int32)
+  # A fresh function object per call: jit caches traces per function, and the broken-sampler test
+  # below must trace the monkeypatched residual.
+  verdict = jax.jit(lambda *a: rejection.verify_sampled(*a))(k_verify, drafts, qb, pb)
+  return np.asarray(drafts), np.asarray(verdict.accepted), np.asarray(verdict.next_token)
+
+
+def emitted_at(drafts, accepted, next_token, j):
+  """Token emitted at round position j (0-based) for the rounds that reach it (accepted >= j)."""
+  reach = accepted >= j
+  tok = np.where(accepted == j, next_token, drafts[:, min(j, GAMMA - 1)])
+  return tok[reach]
+
+
+def test_each_emitted_position_follows_the_target():
+  p, q = random_dists(0)
+  drafts, accepted, nxt = run_sampled(p, q)
+  for j in range(GAMMA + 1):
+    tok = emitted_at(drafts, accepted, nxt, j)
+    assert len(tok) > 5_000
+    assert chi2_pvalue(np.bincount(tok, minlength=V), p[j].astype(np.float64)) > 1e-3, j
+
+
+def test_acceptance_rate_is_the_overlap_of_p_and_q():
+  p, q = random_dists(1)
+  _, accepted, _ = run_sampled(p, q, seed=1)
+  overlap = np.minimum(p[:GAMMA], q).sum(-1)     # P(accept draft i) = sum_x min(p, q)
+  at_least = np.array([(accepted >= i).mean() for i in range(GAMMA + 1)])
+  np.testing.assert_allclose(at_least[1:] / at_least[:-1], overlap, atol=0.01)
+
+
+def test_skipping_the_residual_is_detected():
+  p, q = random_dists(0)
+  orig = rejection.residual_distribution
+  try:
+    rejection.residual_distribution = lambda p, q: p   # resample from p: biased towards q's mass
+    drafts, accepted, nxt = run_sampled(p, q)
+  finally:
+    rejection.residual_distribution = orig
+  tok = emitted_at(drafts, accepted, nxt, 0)
+  assert chi2_pvalue(np.bincount(tok, minlength=V), p[0].astype(np.float64)) < 1e-6
+
+
+def test_residual_distribution():
+  p = jnp.asarray([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]])
+  q = jnp.asarray([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]])
+  r = np.asarray(rejection.residual_distribution(p, q))
+  np.testing.assert_allclose(r[0], [1.0, 0.0, 0.0])
+  np.testing.assert_allclose(r[1], [0.2, 0.3, 0.5])      # p == q: no residual mass, fall back to p
+
+
+def test_leading_true():
+  ok = jnp.asarray([[True, True, False], [False, True, True], [True, True, True]])
+  np.testing.assert_array_equal(rejection.leading_true(ok), [2, 0, 3])
+
+
+def test_greedy_is_argmax_agreement():
+  target = np.full((3, 4, 5), -1.0, np.float32)
+  # argmax of the target per position: seq 0 -> 1 2 3 4, seq 1 -> 0 0 0 0, seq 2 -> 4 3 2 1
+  for b, row in enumerate([[1, 2, 3, 4], [0, 0, 0, 0], [4, 3, 2, 1]]):
+    target[b, np.arange(4), row] = 1.0
+  drafts = jnp.asarray([[1, 2, 3], [0, 1, 0], [4, 3, 2]], jnp.int32)
+  v = rejection.verify_greedy(drafts, jnp.asarray(target))
+  np.testing.assert_array_equal(v.accepted, [3, 1, 3])
+  np.testing.assert_array_equal(v.next_token, [4, 0, 1])   # bonus, correction, bonus
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(), SamplingParams(temperature=0.7, top_k=1)])
+def test_greedy_path_equals_the_general_rule_on_one_hot_probabilities(sp):
+  key = jax.random.PRNGKey(3)
+  rng = np.random.default_rng(4)
+  target = rng.normal(size=(64, GAMMA + 1, 11)).astype(np.float32)
+  draft_logits = target[:, :GAMMA] + 0.8 * rng.normal(size=(64, GAMMA, 11)).astype(np.float32)
+  drafts = jnp.asarray(draft_logits.argmax(-1), jnp.int32)
+  fast = verify_drafts(key, drafts, draft_logits, target, sampling=sp)
+  general = jax.jit(lambda k, d, ql, pl: rejection.verify_sampled(
+      k, d, probabilities(ql, sp), probabilities(pl, sp)))(key, drafts, draft_logits, target)
+  np.testing.assert_array_equal(fast.accepted, general.accepted)
+  np.testing.assert_array_equal(fast.next_token, general.next_token)
+  assert 0 < int(fast.accepted.sum()) < 64 * GAMMA     # both outcomes occur
+
+
+def test_same_transforms_shape_p_and_q():
+  """With top-k 2 the output can only be one of the target's two best tokens, whatever q says."""
+  sp = SamplingParams(temperature=1.0, top_k=2)
+  b = 4000
+  target = jnp.broadcast_to(jnp.asarray([0.0, 3.0, 2.5, 1.0, -1.0]), (b, 2, 5))
+  draft_logits = jnp.broadcast_to(jnp.asarray([3.0, 0.0, 2.9, 0.0, 0.0]), (b, 1, 5))
+  drafts = jax.random.categorical(jax.random.PRNGKey(0),
+                                  jnp.log(probabilities(draft_logits, sp)), -1).astype(jnp.int32)
+  v = verify_drafts(jax.random.PRNGKey(1), drafts, draft_logits, target, sampling=sp)
+  first = np.where(np.asarray(v.accepted) == 1, np.asarray(drafts[:, 0]), np.asarray(v.next_token))
+  p = np.asarray(probabilities(target[0, 0], sp), np.float64)
+  assert set(np.unique(first)) <= {1, 2}
+  assert chi2_pvalue(np.bincount(first, minlength=5), p) > 1e-3

