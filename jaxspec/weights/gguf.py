@@ -12,6 +12,7 @@ Facts about llama.cpp's layout this relies on:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -219,6 +220,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
   """A transformers tokenizer built from the GGUF's tokenizer metadata (vocab, merges, template)."""
   from transformers import AutoTokenizer
   path = Path(path)
+  if importlib.util.find_spec("torch") is None:
+    # transformers' GGUF reader imports torch, even for the tokenizer alone.
+    raise WeightsError(f"{path}: reading a GGUF tokenizer needs torch (transformers' GGUF reader "
+                       "imports it); install it with: pip install -e '.[gguf]'")
   try:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
   except Exception as e:
