@@ -7,8 +7,6 @@ subclasses.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -95,11 +93,6 @@ class ModelConfig:
         qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
         qk_norm=arch == "qwen3", tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos, bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos)
-
-  @classmethod
-  def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
-    with open(path) as f:
-      return cls.from_hf(json.load(f))
 
   # --- our own serialisation (written next to orbax checkpoints) -------------------------------
   def to_dict(self) -> dict[str, Any]:

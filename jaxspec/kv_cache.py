@@ -35,9 +35,6 @@ class KVCache:
   def capacity(self) -> int:
     return self.k[0].shape[1]
 
-  def nbytes(self) -> int:
-    return sum(x.size * x.dtype.itemsize for x in self.k + self.v)
-
 
 def write(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
   """Scatter new [B, T, H, D] into cache_layer [B, S, H, D] at positions [B, T].

@@ -1,5 +1,4 @@
 """The vanilla decode loop: cached decoding vs full forward, batching, sampling, stops, errors."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
