@@ -1,8 +1,12 @@
 """Shared benchmark plumbing: model shapes for random-weight runs, copy bandwidth, JSON output."""
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
 import json
 import os
+import tempfile
 import statistics
 import subprocess
 import time
@@ -64,7 +68,9 @@ def copy_bandwidth(nbytes: int = 4 << 30, chain: int = 10) -> float:
   `chain` back-to-back launches per timed call, so host dispatch and synchronisation (tens of
   microseconds each) do not dilute a ~1 ms kernel.
   """
-  x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 2,), jnp.bfloat16)
+  if jax.default_backend() == "cpu":   # a smoke run: keep the buffers small
+    nbytes = min(nbytes, 256 << 20)
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
   f = jax.jit(lambda a: -a)  # a real read + write kernel (a plain copy may be elided)
 
   def launches():
@@ -74,6 +80,39 @@ def copy_bandwidth(nbytes: int = 4 << 30, chain: int = 10) -> float:
     return y
   t = time_fn(launches, warmup=2, reps=5) / chain
   return 2 * nbytes / t
+
+
+def kernel_table(fn: Callable[[], object], *, top: int = 25) -> dict:
+  """Run fn() once under the JAX profiler; GPU time per kernel name, most expensive first.
+
+  Returns {"device_us": total kernel time, "wall_us": fn's wall time, "kernels": [{name, us,
+  calls}]}. Kernels overlap only across streams, so device_us can exceed wall_us slightly; a wall
+  time well above device_us means launch / host overhead (the GPU idles between kernels).
+  """
+  jax.block_until_ready(fn())   # compiled and warm
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      wall = time.perf_counter() - t0
+    path, = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+      events = json.load(f)["traceEvents"]
+  gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+         and e["args"]["name"].startswith("/device:GPU")}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpu}
+  # The device also has summary lines ("XLA Ops", "XLA Modules") that overlap the kernels: count
+  # only the stream lines, which hold the kernels themselves.
+  streams = {k for k, name in threads.items() if "Stream" in name}
+  us, calls = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+      us[e["name"]] += e.get("dur", 0.0)
+      calls[e["name"]] += 1
+  return dict(device_us=sum(us.values()), wall_us=wall * 1e6, lines=sorted(set(threads.values())),
+              kernels=[dict(name=n[:120], us=round(t, 1), calls=calls[n])
+                       for n, t in us.most_common(top)])
 
 
 def write_json(path: str, payload: dict) -> None:

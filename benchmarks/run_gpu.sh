@@ -6,7 +6,9 @@
 #   prep        install the carried wheels, convert the GGUF to an orbax checkpoint
 #   smoke       real-weight greedy generation on the GPU: vanilla vs vegas (must match)
 #   decode      vanilla decode roofline runs (issue 2)
-#   throughput  continuous-batching runs, several methods (issue 5)
+#   sweep       Vegas's (gamma, ratio) tuning on the long workload, Fig. 8 / Fig. 13 PNGs (issue 5)
+#   long, short continuous-batching runs of every method (issue 5), at GAMMA / RATIO from the sweep
+#   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round (issue 5)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 JAXSPEC_DATA=.data
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,12 +34,23 @@ for step in "$@"; do
         --contexts=4096,16384,32768 --steps=16 --reps=3 --out=$OUT/decode_qwen05.json 2>&1 | tail -12
       python3 -m benchmarks.decode --model=random:qwen3-8b --batch_sizes=4 --contexts=131072 \
         --steps=8 --reps=3 --out=$OUT/decode_qwen3_8b.json 2>&1 | tail -4 ;;
-    throughput)
-      # --ignore_eos: the 0.5B coder ends most answers early; the paper's workloads keep long contexts.
-      python3 -m benchmarks.throughput --model=$CKPT --workload=long --batch=64 \
-        --methods=none,streaming,quest,vegas-all,vegas --gammas=vegas=6,vegas-all=6,default=4 \
-        --max_new_tokens=1024 --ignore_eos --num_requests=512 --warmup_s=10 --measure_s=25 \
-        --noprofile --out=$OUT/throughput_long.json 2>&1 | tail -9 ;;
+    sweep)
+      # Vegas's three-step tuning on the long workload (a smaller grid than the flags' defaults).
+      python3 -m benchmarks.sweep --model=$CKPT --workload=long --batch=64 --max_new_tokens=256 \
+        --num_requests=256 --ratios=0.02,0.04,0.07,0.1,0.15 --big_gamma=8 --gammas=4,6,8 \
+        --warmup_s=4 --measure_s=8 --ignore_eos --out=$OUT/sweep_long 2>&1 | grep -v "^[IW]1" | tail -16 ;;
+    long|short)
+      # GAMMA and RATIO: the sweep's choice. --ignore_eos: the 0.5B coder ends most answers early;
+      # the paper's workloads keep long contexts and outputs.
+      if [ $step = long ]; then extra="--batch=64 --max_new_tokens=1024"; else extra="--batch=128 --max_new_tokens=4096"; fi
+      python3 -m benchmarks.throughput --model=$CKPT --workload=$step $extra \
+        --methods=none,streaming,quest,specextend,vegas-all,vegas,vegas@${RATIO:-0.07} \
+        --gammas=default=${GAMMA:-6} --ignore_eos --num_requests=512 --warmup_s=10 --measure_s=20 \
+        --out=$OUT/throughput_$step.json 2>&1 | grep -v "^[IW]1" | tail -10 ;;
+    scale)
+      python3 -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4 \
+        --context=131072 --methods=none,streaming,vegas --gammas=default=${GAMMA:-6} \
+        --out=$OUT/throughput_scale.json 2>&1 | grep -v "^[IW]1" | grep "^{" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -61,8 +61,11 @@ class Engine:
 
 
 def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *, chunk: int,
-          warmup_s: float, measure_s: float, seed: int = 0) -> dict:
-  """Continuous batching over the request stream; returns the measured window's numbers."""
+          warmup_s: float, measure_s: float, seed: int = 0) -> tuple[dict, object]:
+  """Continuous batching over the request stream.
+
+  Returns (the measured window's numbers, the final state: a steady-state batch to profile).
+  """
   queue = collections.deque(range(len(prompts)))
   first = [queue.popleft() for _ in range(batch)]
   state = engine.prefill([prompts[i] for i in first], max_new, seed)
@@ -127,4 +130,4 @@ def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *,
              requests_finished=counted["finished"])
   if hist_window is not None:
     out.update(speculative.acceptance_summary(hist_window[None]))
-  return out
+  return out, state

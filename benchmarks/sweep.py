@@ -47,6 +47,7 @@ _GRID = flags.DEFINE_bool("grid", False, "measure the whole gamma x ratio grid i
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "")
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "")
 _TOP_K = flags.DEFINE_integer("top_k", 20, "")
+_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens for every request")
 _OUT = flags.DEFINE_string("out", "benchmarks/out/sweep", "output prefix (.json, _fig8.png, _fig13.png)")
 
 
@@ -93,6 +94,8 @@ def main(argv):
   else:
     prompts = workloads.long_prompts(tok, _REQUESTS.value, _PROMPT_MIN.value, _PROMPT_MAX.value)
   stop_ids = tuple(sorted(set(loaded.cfg.eos_token_ids) | {tok.eos_token_id} - {None}))
+  if _IGNORE_EOS.value:
+    stop_ids = ()
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   capacity_len = max(len(p) for p in prompts) + _MAX_NEW.value
   ratios = [float(r) for r in _RATIOS.value]
@@ -115,7 +118,7 @@ def main(argv):
     if (g, r) not in tput:
       eng = Engine(loaded.model, _METHOD.value, g, sampling, stop_ids, capacity_len, backend,
                    sparsity=r, min_tokens=_MIN_TOKENS.value)
-      row = serve(eng, prompts, _BATCH.value, _MAX_NEW.value, chunk=_CHUNK.value,
+      row, _ = serve(eng, prompts, _BATCH.value, _MAX_NEW.value, chunk=_CHUNK.value,
                   warmup_s=_WARMUP.value, measure_s=_MEASURE.value)
       tput[(g, r)] = row["tokens_per_s"]
       print(f"gamma {g}, ratio {r:g}: {tput[(g, r)]:.1f} tok/s", file=sys.stderr)

@@ -14,8 +14,10 @@ boundary (every --chunk_rounds rounds) its slot is refilled with the next reques
 prompt + `jaxspec.batching.insert_slot`). After --warmup_s seconds the harness counts, over
 --measure_s seconds, the tokens produced and the wall time (refill prefills included, as a serving
 engine's throughput counter would; decode-only throughput is reported too), the mean accepted
-tokens per round, and (--profile) the drafting / verification / selection time shares from
-`speculative.profile_rounds` on one batch of the same prompts. Same prompts and seed for all methods.
+tokens per round, and (--profile) the drafting / verification / selection time shares
+(`speculative.time_phases`) over a few rounds of the serving batch as it stands at the end of the
+window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its own
+ratio, so one run can hold a method at 0.07 and at its tuned ratio.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks import workloads
-from benchmarks.common import (copy_bandwidth, device_name, filled_state, git_commit, load,
-                               time_fn, write_json)
+from benchmarks.common import (copy_bandwidth, device_name, filled_state, git_commit,
+                               kernel_table, load, time_fn, write_json)
 from benchmarks.serving import Engine, serve
 from jaxspec import decode, speculative
 from jaxspec.attention import default_backend
@@ -36,7 +38,8 @@ from jaxspec.sampling import SamplingParams
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
 _WORKLOAD = flags.DEFINE_enum("workload", "short", ["short", "long", "scale"], "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
-                                         "vegas"], "methods to run, in order")
+                                         "vegas"],
+                             "methods to run, in order; method@ratio overrides --sparsity")
 _GAMMAS = flags.DEFINE_list("gammas", ["vegas=6", "default=4"],
                             "gamma per method: method=g entries and default=g")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "KV ratio for drafting")
@@ -57,53 +60,74 @@ _TOP_K = flags.DEFINE_integer("top_k", 20, "")
 _SEED = flags.DEFINE_integer("seed", 0, "")
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens for every request "
                                  "(steady long contexts when the model would stop early)")
+_TRACE = flags.DEFINE_bool("trace", False, "scale workload: GPU time per kernel of one chunk "
+                           "(jax.profiler) in the JSON")
 _PROFILE = flags.DEFINE_bool("profile", True, "measure phase time shares (speculative methods)")
 _OUT = flags.DEFINE_string("out", None, "JSON path (default benchmarks/out/throughput_<workload>.json)")
 
 
-def gamma_for(method: str) -> int:
-  table = dict(entry.split("=") for entry in _GAMMAS.value)
-  return int(table.get(method, table.get("default", 4)))
+def gamma_for(entry: str) -> int:
+  """--gammas lookup: the entry itself (e.g. 'vegas@0.05'), then its method, then 'default'."""
+  table = dict(item.split("=") for item in _GAMMAS.value)
+  method = entry.partition("@")[0]
+  return int(table.get(entry, table.get(method, table.get("default", 4))))
 
 
-def scale_run(model, methods, batch: int, context: int, backend: str) -> list[dict]:
-  """Random weights: ms per vanilla step and per speculative round over a filled cache."""
+def parse_entry(entry: str) -> tuple[str, float]:
+  """A --methods entry: 'vegas' runs at --sparsity, 'vegas@0.05' at its own ratio."""
+  method, _, ratio = entry.partition("@")
+  return method, float(ratio) if ratio else _SPARSITY.value
+
+
+def scale_state(eng: Engine, cfg, batch: int, context: int, steps_total: int):
+  """A state whose cache holds `context` random tokens per sequence; for speculative methods the
+  policy's first Selection, from random stand-in scores (random like the weights)."""
+  cap = decode.make_batch([[0]], 1, eng.max_len, spare=eng.spare).capacity
+  ds = filled_state(cfg, batch, context, cap, steps_total)
+  if eng.config is None:
+    return ds
+  scores = None
+  if eng.config.policy.prefill_score_kind is not None:
+    scores = jax.random.normal(jax.random.PRNGKey(1), (cfg.num_layers, batch, cap), jnp.bfloat16)
+  return speculative.first_selection(ds, scores, config=eng.config)
+
+
+def scale_run(model, methods, batch: int, context: int, sampling: SamplingParams, backend: str
+              ) -> list[dict]:
+  """Random weights: ms per vanilla step and per speculative round over a filled cache, the
+  draft / verify / select shares, and (--trace) GPU time per kernel of one compiled chunk."""
   cfg = model.cfg
   rows = []
-  for method in methods:
-    g = gamma_for(method)
-    eng = Engine(model, method, g, SamplingParams(), (), context + 64 * (g + 1), backend,
-                 sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
-    steps = 8
-    cap = decode.make_batch([[0]], 1, eng.max_len, spare=eng.spare).capacity
+  steps = 8
+  for entry in methods:
+    (method, ratio), g = parse_entry(entry), gamma_for(entry)
+    eng = Engine(model, method, g, sampling, (), context + 64 * (g + 1), backend,
+                 sparsity=ratio, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
     try:
-      ds = filled_state(cfg, batch, context, cap, steps * 64)
-      if eng.config is None:
-        state = ds
-      else:
-        pol = eng.config.policy
-        scores = None
-        if pol.prefill_score_kind is not None:   # stand-in scores: random, like the weights
-          scores = jax.random.normal(jax.random.PRNGKey(1), (cfg.num_layers, batch, cap), jnp.bfloat16)
-        sel = pol.select_kv(ds.cache, scores, ds.cache.lengths - 1, jnp.zeros((batch,), jnp.int32),
-                            backend)
-        state = speculative.SpecState(decode=ds, selection=sel,
-                                      accept_hist=jnp.zeros((batch, g + 1), jnp.int32),
-                                      rounds=jnp.zeros((), jnp.int32))
-      holder = [state]
+      holder = [scale_state(eng, cfg, batch, context, steps * 64)]
 
       def run():
         holder[0] = eng.chunk(holder[0], steps)
         return holder[0]
       t = time_fn(run, warmup=1, reps=3) / steps
-      rows.append(dict(method=method, gamma=g, batch=batch, context=context,
-                       ms_per_round=t * 1e3,
-                       note="random weights: acceptance meaningless; ms per step (none) or per "
-                            "draft+verify round"))
-      holder = state = ds = None  # free this cache before the next method
+      row = dict(method=entry, gamma=g, sparsity=ratio, batch=batch, context=context,
+                 ms_per_round=t * 1e3,
+                 note="random weights: acceptance meaningless; ms per step (none) or per "
+                      "draft+verify round")
+      if _TRACE.value:
+        row["trace"] = kernel_table(run)
+        row["trace"]["per"] = f"one chunk of {steps} rounds"
+      if eng.config is not None:
+        holder[0], phases = speculative.time_phases(eng.graphdef, eng.params, holder[0],
+                                                    eng.config, rounds=4, warmup=1)
+        row["phases"] = {k: v for k, v in phases.items() if k.endswith(("_share", "_per_round"))}
+      rows.append(row)
+      holder = None  # free this cache before the next method
     except Exception as e:
-      rows.append(dict(method=method, gamma=g, error=f"{type(e).__name__}: {str(e)[:300]}"))
-    print(rows[-1], file=sys.stderr)
+      rows.append(dict(method=entry, gamma=g, error=f"{type(e).__name__}: {str(e)[:300]}"))
+    print({k: v for k, v in rows[-1].items() if k != "trace"}, file=sys.stderr)
+    for k in rows[-1].get("trace", {}).get("kernels", [])[:12]:
+      print(f"   {k['us']:>10.1f} us {k['calls']:>5}x  {k['name']}", file=sys.stderr)
   return rows
 
 
@@ -117,7 +141,8 @@ def main(argv):
   if _WORKLOAD.value == "scale":
     model, _ = load(_MODEL.value)
     header["copy_gbps"] = copy_bandwidth() / 1e9
-    rows = scale_run(model, _METHODS.value, _BATCH.value, _CONTEXT.value, backend)
+    sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    rows = scale_run(model, _METHODS.value, _BATCH.value, _CONTEXT.value, sampling, backend)
     write_json(out_path, dict(header, rows=rows))
     return
   from jaxspec.loading import load_model
@@ -136,19 +161,22 @@ def main(argv):
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   capacity_len = max(len(p) for p in prompts) + max_new
   rows = []
-  for method in _METHODS.value:
-    eng = Engine(loaded.model, method, gamma_for(method), sampling, stop_ids, capacity_len, backend,
-                 sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
+  for entry in _METHODS.value:
+    method, ratio = parse_entry(entry)
+    eng = Engine(loaded.model, method, gamma_for(entry), sampling, stop_ids, capacity_len, backend,
+                 sparsity=ratio, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
     try:
-      row = serve(eng, prompts, _BATCH.value, max_new, chunk=_CHUNK.value,
-                  warmup_s=_WARMUP.value, measure_s=_MEASURE.value, seed=_SEED.value)
-      if _PROFILE.value and method != "none":
-        row["phases"] = speculative.profile_rounds(
-            loaded.model, prompts[:_BATCH.value], method=method, gamma=eng.gamma,
-            sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-            rounds=4, warmup=1, sampling=sampling, max_len=capacity_len, backend=backend)
+      row, state = serve(eng, prompts, _BATCH.value, max_new, chunk=_CHUNK.value,
+                         warmup_s=_WARMUP.value, measure_s=_MEASURE.value, seed=_SEED.value)
+      row.update(method=entry, sparsity=ratio)
+      if _PROFILE.value and eng.config is not None:
+        # Phase shares on the serving batch as it stands at the end (steady state, mixed lengths).
+        _, phases = speculative.time_phases(eng.graphdef, eng.params, state, eng.config,
+                                            rounds=4, warmup=1)
+        row["phases"] = {k: v for k, v in phases.items() if k.endswith(("_share", "_per_round"))}
+      state = None
     except Exception as e:
-      row = dict(method=method, error=f"{type(e).__name__}: {str(e)[:500]}")
+      row = dict(method=entry, error=f"{type(e).__name__}: {str(e)[:500]}")
     rows.append(row)
     print(row, file=sys.stderr)
     write_json(out_path, dict(header, rows=rows))   # keep what finished if a later method dies

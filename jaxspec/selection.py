@@ -89,14 +89,13 @@ def topk_select(scores: jax.Array, lengths: jax.Array, *, ratio: float, min_toke
                 k_max: int, backend: str) -> tuple[jax.Array, jax.Array]:
   """Top-k positions of scores [N, S] among the first lengths[n]: (indices [N, k_max], counts [N]).
 
-  `lax.top_k` (the reference) on every backend for now: the radix select in
-  `pallas_kernels.topk_select` is faster at N=16 rows (benchmarks/RESULTS.md) but asked for a
-  160 GiB allocation on the H200 at N = 24 layers x 64 sequences x 33K positions (the long
-  workload's first selection), which is not yet understood. `backend` is kept for when it is.
+  The sorting-free threshold select of `pallas_kernels.topk_select` (exact, ties to the lower
+  position, positions ascending): at 24 layers x 64 sequences x 33K positions `lax.top_k` sorts
+  every row (benchmarks/RESULTS.md). Plain XLA, so the same on every backend.
   """
   del backend
-  return _topk.topk_select_reference(scores, lengths, ratio=ratio, min_tokens=min_tokens,
-                                     k_max=k_max)
+  return _topk.topk_select(scores, lengths, ratio=ratio, min_tokens=min_tokens, k_max=k_max,
+                           method="threshold")
 
 
 def _per_layer_topk(scores, prefix, *, ratio, min_tokens, k_max, backend):
@@ -256,7 +255,10 @@ class Quest(SelectionPolicy):
     lengths = cache.lengths
     n_full = lengths // pages.PAGE_SIZE
     want = pages.pages_for_budget(budget(lengths, self.ratio, self.min_tokens, self.k_max))
-    page_min, page_max = pages.page_summaries(jnp.stack(cache.k), pages.PAGE_SIZE)
+    # Layer by layer: stacking the layers' keys first would copy the whole K cache every round.
+    summaries = [pages.page_summaries(k, pages.PAGE_SIZE) for k in cache.k]
+    page_min = jnp.stack([lo for lo, _ in summaries])
+    page_max = jnp.stack([hi for _, hi in summaries])
     n_layers = len(cache.k)
     return Selection(indices=jnp.zeros((n_layers, cache.batch, 1), jnp.int32),
                      counts=jnp.broadcast_to(jnp.minimum(want, n_full), (n_layers, cache.batch)),

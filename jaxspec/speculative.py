@@ -58,7 +58,7 @@ from jaxspec.sampling import SamplingParams, sample
 from jaxspec.selection import METHODS, Selection, SelectionPolicy
 
 __all__ = ["METHODS", "SpecConfig", "SpecState", "speculative_generate", "speculative_chunk",
-           "speculative_prefill", "profile_rounds", "acceptance_summary"]
+           "speculative_prefill", "first_selection", "profile_rounds", "time_phases", "acceptance_summary"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ def _prefill_with_scores(graphdef, params, prompts, prompt_lens, max_new, key, *
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("ds",))
-def _first_selection(ds: DecodeState, scores, *, config: SpecConfig) -> SpecState:
+def first_selection(ds: DecodeState, scores, *, config: SpecConfig) -> SpecState:
   b = ds.last_token.shape[0]
   # The prefill's score row is each prompt's last token, at position prompt_len - 1: for the
   # policies it plays the part of the last accepted token's row (accepted = 0).
@@ -196,7 +196,7 @@ def speculative_prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.A
       max_new_buffer=max_new_buffer, sampling=config.sampling, stop_ids=config.stop_ids,
       backend=config.backend, cache_dtype=cache_dtype, reserve=config.gamma + 1,
       score_kind=config.policy.prefill_score_kind)
-  return _first_selection(ds, scores, config=config)
+  return first_selection(ds, scores, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rounds", "config"),
@@ -310,7 +310,7 @@ def speculative_generate(model: Transformer, prompts: list[list[int]], *, method
   t0 = time.perf_counter()
   ds, scores = jax.block_until_ready(run_prefill(*prefill_args))
   stats.prefill_s = time.perf_counter() - t0
-  run_first, seconds = decode.compile_timed(_first_selection, ds, scores, config=config)
+  run_first, seconds = decode.compile_timed(first_selection, ds, scores, config=config)
   stats.compile_s += seconds
   t0 = time.perf_counter()
   state = jax.block_until_ready(run_first(ds, scores))
@@ -391,6 +391,16 @@ def profile_rounds(model: Transformer, prompts: list[list[int]], *, method: str,
                          max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                          max_len=max_len, backend=backend)
   graphdef, params, state = _prefill(model, batch, config, seed, cache_dtype)
+  _, out = time_phases(graphdef, params, state, config, rounds=rounds, warmup=warmup)
+  return dict(out, method=method, batch=len(prompts))
+
+
+def time_phases(graphdef, params, state: SpecState, config: SpecConfig, *, rounds: int = 8,
+                warmup: int = 2) -> tuple[SpecState, dict]:
+  """`profile_rounds` from a given state (e.g. a benchmark's filled cache): (state, timings).
+
+  The state is donated round by round; use the returned one.
+  """
   times = {"draft": 0.0, "verify": 0.0, "select": 0.0}
   hist0 = None
   for r in range(warmup + rounds):
@@ -412,6 +422,6 @@ def profile_rounds(model: Transformer, prompts: list[list[int]], *, method: str,
   total = sum(times.values())
   out = {f"{k}_s_per_round": v / rounds for k, v in times.items()}
   out.update({f"{k}_share": v / total for k, v in times.items()})
-  out.update({"method": method, "gamma": gamma, "rounds": rounds, "batch": len(prompts),
+  out.update({"gamma": config.gamma, "rounds": rounds,
               **acceptance_summary(np.asarray(state.accept_hist) - hist0)})
-  return out
+  return state, out

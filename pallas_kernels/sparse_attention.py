@@ -46,8 +46,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.verify_attention import _LOG2E, _MAX_INIT, NEG_INF, _pow2_rows, combine_splits
-from pallas_kernels.verify_attention import _dot, _dot_t, default_splits
+from pallas_kernels import online_softmax
+from pallas_kernels.verify_attention import NEG_INF, _dot_t, _pow2_rows, combine_splits
+from pallas_kernels.verify_attention import default_splits
 
 
 def _check(q, k, v, indices, counts, tail_start, lengths):
@@ -115,21 +116,15 @@ def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_r
   p = pl.program_id(1)
   length = len_ref[()]
   q = q_ref[...]
-  qk_scale = sm_scale * _LOG2E
+  qk_scale = sm_scale * online_softmax.LOG2E
   row_t = jnp.minimum(jnp.arange(m_rows) // g, t - 1)
   cols_d = jnp.arange(d)
 
   def update(carry, k, v, visible):
-    acc, m_i, l_i = carry
     s = _dot_t(q, k) * qk_scale          # [M, bk]
     if visible is not None:
       s = jnp.where(visible, s, NEG_INF)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    prob = jnp.exp2(s - m_new[:, None])
-    l_new = l_i * alpha + jnp.sum(prob, axis=1)
-    acc = acc * alpha[:, None] + _dot(prob.astype(v.dtype), v)
-    return acc, m_new, l_new
+    return online_softmax.update(carry, s, v)
 
   def selected(carry):
     # Chunk [p*chunk, (p+1)*chunk) of the index list; every valid entry is seen by every row.
@@ -183,8 +178,7 @@ def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_r
     carry = jax.lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
     return jax.lax.fori_loop(n_full, n_blocks, functools.partial(step, masked=True), carry)
 
-  carry = (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), _MAX_INIT, jnp.float32),
-           jnp.zeros((m_rows,), jnp.float32))
+  carry = online_softmax.init(m_rows, d)
   acc, m_i, l_i = jax.lax.cond(p < sel_splits, selected, tail, carry)
   o_ref[...] = acc
   m_ref[...] = m_i

@@ -57,11 +57,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import online_softmax
+
 NEG_INF = float("-inf")
-_LOG2E = 1.4426950408889634
-# Finite start for running maxima: a block whose keys are all masked for a row then gives
-# exp2(-inf - (-1e30)) = 0 instead of exp2(-inf + inf) = NaN.
-_MAX_INIT = -1e30
 _DEFAULT_PROGRAMS = 528   # ~4 programs per SM on a 132-SM H100/H200
 
 
@@ -115,11 +113,6 @@ def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = Non
 # ----------------------------------------------------------------------------------------------
 # Kernels
 
-def _dot(a, b):
-  """a [M, K] @ b [K, N] with f32 accumulation (pl.dot is gone from jax 0.11)."""
-  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _dot_t(a, b):
   """a [M, K] @ b[N, K]^T with f32 accumulation."""
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -156,11 +149,10 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *score_ref
 
   q = q_ref[...]
   row_t = jnp.minimum(jnp.arange(m_rows) // g, t - 1)
-  qk_scale = sm_scale * _LOG2E
+  qk_scale = sm_scale * online_softmax.LOG2E
   sel = None if score_rows is None else _row_select(m_rows, g, score_rows)
 
   def step(i, carry, masked):
-    acc, m_i, l_i = carry
     j0 = start + i * block_k
     cols = j0 + jnp.arange(block_k)
     if masked:
@@ -181,15 +173,9 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *score_ref
     s = qk * qk_scale
     if masked:
       s = jnp.where(cols[None, :] <= length + row_t[:, None], s, NEG_INF)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(s - m_new[:, None])
-    l_new = l_i * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-    return acc, m_new, l_new
+    return online_softmax.update(carry, s, v)
 
-  carry = (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), _MAX_INIT, jnp.float32),
-           jnp.zeros((m_rows,), jnp.float32))
+  carry = online_softmax.init(m_rows, d)
   if k_ref.shape[0] < block_k:     # a cache shorter than one block: masked blocks only
     n_full = 0
   carry = jax.lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
@@ -214,7 +200,7 @@ def _weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float, f
   n_blocks = (span + block_k - 1) // block_k
   q = q_ref[...]
   lse = lse_ref[...]
-  qk_scale = sm_scale * _LOG2E
+  qk_scale = sm_scale * online_softmax.LOG2E
 
   def step(i, _):
     j0 = start + i * block_k

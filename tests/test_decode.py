@@ -1,4 +1,5 @@
 """The vanilla decode loop: cached decoding vs full forward, batching, sampling, stops, errors."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.decode import generate, make_batch
 from jaxspec.kv_cache import KVCache
 from jaxspec.model import init_random
-from jaxspec.sampling import SamplingParams, filter_logits
+from jaxspec.sampling import SamplingParams, filter_logits, top_k_values
 
 CFG = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope_theta=1000.0)
@@ -106,6 +107,28 @@ def test_filter_logits_definitions():
   assert kept(SamplingParams(1.0, top_p=0.7)) == [True, True, False, False, False]
   # min_p keeps p >= 0.25 * 0.5.
   assert kept(SamplingParams(1.0, min_p=0.25)) == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("shape, k", [((3, 4, 1000), 20), ((2, 151936), 20), ((5, 129), 7),
+                                      ((2, 100), 20), ((2, 4000), 200)])
+def test_top_k_values_equals_lax_top_k(shape, k):
+  # Coarse values: many ties, also across the block boundaries the fast path works with.
+  x = jnp.round(jax.random.normal(jax.random.PRNGKey(k), shape) * 4) / 2
+  x = x.at[..., 7].set(-jnp.inf).at[..., -1].set(jnp.inf)
+  np.testing.assert_array_equal(top_k_values(x, k), jax.lax.top_k(x, k)[0])
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, 0.5), (5, 0.9), (8, 0.99), (40, 0.7)])
+def test_top_p_after_top_k_matches_full_sort(top_k, top_p):
+  # The top-k + top-p path cuts among the k values only; it must keep exactly what top-k followed
+  # by the full-vocabulary top-p keeps, ties with the k-th value included (coarse values force
+  # many ties).
+  logits = jnp.round(jax.random.normal(jax.random.PRNGKey(top_k), (6, 4, 50)) * 3) / 2
+  both = filter_logits(logits, SamplingParams(1.0, top_k=top_k, top_p=top_p))
+  after_k = filter_logits(logits, SamplingParams(1.0, top_k=top_k))
+  reference = filter_logits(after_k, SamplingParams(1.0, top_p=top_p))
+  np.testing.assert_array_equal(np.isfinite(both), np.isfinite(reference))
+  assert np.isfinite(np.asarray(both)).sum(-1).min() >= 1
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -8,6 +8,7 @@ from jaxspec.attention import AttentionPlan, attend
 from jaxspec.config import ModelConfig
 from jaxspec.kv_cache import KVCache
 from pallas_kernels.sparse_attention import sparse_attention_reference
+from pallas_kernels.topk_select import topk_select_reference
 from pallas_kernels.verify_attention import verify_attention_reference
 
 L, B, S, HKV, HQ, D, T = 2, 3, 128, 2, 4, 16, 4
@@ -181,14 +182,13 @@ def test_specextend_picks_pages_by_attention_mass():
   np.testing.assert_array_equal(sel.indices[0, 0, :16], np.arange(16, 32))
 
 
-def test_topk_select_on_the_pallas_backend_picks_the_same_set():
-  """Whatever `selection.topk_select` runs on the 'pallas' backend (the kernel file's radix select,
-  or for now `lax.top_k` everywhere, see its docstring), it selects the reference's set."""
+def test_selection_topk_picks_the_reference_set():
+  """`selection.topk_select` (the threshold select, on every backend) selects lax.top_k's set."""
   rng = np.random.default_rng(5)
   scores = jnp.asarray(rng.normal(size=(6, 128)), jnp.bfloat16)
   lengths = jnp.asarray([128, 100, 64, 17, 5, 90])
   args = dict(ratio=0.1, min_tokens=3, k_max=13)
-  ref_idx, ref_cnt = selection.topk_select(scores, lengths, backend="reference", **args)
+  ref_idx, ref_cnt = topk_select_reference(scores, lengths, **args)
   idx, cnt = selection.topk_select(scores, lengths, backend="pallas", **args)
   np.testing.assert_array_equal(cnt, ref_cnt)
   for b in range(6):
