@@ -37,7 +37,7 @@ for step in "$@"; do
     sweep)
       # Vegas's three-step tuning on the long workload (a smaller grid than the flags' defaults).
       python3 -m benchmarks.sweep --model=$CKPT --workload=long --batch=64 --max_new_tokens=256 \
-        --num_requests=256 --ratios=0.02,0.04,0.07,0.1,0.15 --big_gamma=8 --gammas=4,6,8 \
+        --accept_batch=16 --num_requests=256 --ratios=0.02,0.04,0.07,0.1,0.15 --big_gamma=8 --gammas=4,6,8 \
         --warmup_s=4 --measure_s=8 --ignore_eos --out=$OUT/sweep_long 2>&1 | grep -v "^[IW]1" | tail -16 ;;
     long|short)
       # GAMMA and RATIO: the sweep's choice. --ignore_eos: the 0.5B coder ends most answers early;

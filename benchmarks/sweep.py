@@ -35,7 +35,9 @@ _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8", "10"], "step 2 gammas
 _BIG_GAMMA = flags.DEFINE_integer("big_gamma", 10, "gamma for step 1")
 _TOL = flags.DEFINE_float("tolerance", 0.03, "step 1: within this fraction of the best acceptance")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
-_BATCH = flags.DEFINE_integer("batch", 16, "slots")
+_BATCH = flags.DEFINE_integer("batch", 16, "slots (steps 2-3)")
+_ACC_BATCH = flags.DEFINE_integer("accept_batch", 16, "step 1: prompts per ratio, prefilled as one "
+                                  "batch (64 x 32K-token prompts at once do not fit an H200)")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 512, "tokens per request")
 _PROMPT_MIN = flags.DEFINE_integer("prompt_min_tokens", 16384, "long workload")
 _PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", 32768, "long workload")
@@ -104,7 +106,7 @@ def main(argv):
   acc = {}
   for r in ratios:   # step 1
     _, stats = speculative.speculative_generate(
-        loaded.model, prompts[:_BATCH.value], method=_METHOD.value, gamma=_BIG_GAMMA.value,
+        loaded.model, prompts[:_ACC_BATCH.value], method=_METHOD.value, gamma=_BIG_GAMMA.value,
         sparsity=r, min_tokens=_MIN_TOKENS.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
         stop_ids=stop_ids, max_len=capacity_len, backend=backend)
     acc[r] = stats.extra["mean_accepted_tokens"]
