@@ -43,11 +43,14 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+  """JAXSPEC_COMMIT if set (the GPU machine's copy of the tree may carry a stale .git), else HEAD."""
+  if os.environ.get("JAXSPEC_COMMIT"):
+    return os.environ["JAXSPEC_COMMIT"]
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True, cwd=os.path.dirname(__file__)).stdout.strip()
-  except Exception:  # the GPU machine's copy may carry no .git
-    return os.environ.get("JAXSPEC_COMMIT", "unknown")
+  except Exception:
+    return "unknown"
 
 
 def time_fn(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10) -> float:
@@ -98,6 +101,11 @@ def kernel_table(fn: Callable[[], object], *, top: int = 25) -> dict:
     path, = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     with gzip.open(path) as f:
       events = json.load(f)["traceEvents"]
+  return dict(kernel_times(events, top), wall_us=wall * 1e6)
+
+
+def kernel_times(events: list[dict], top: int = 25) -> dict:
+  """Chrome/perfetto trace events -> kernel time per name on the GPU's stream lines."""
   gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
          and e["args"]["name"].startswith("/device:GPU")}
   threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
@@ -110,7 +118,7 @@ def kernel_table(fn: Callable[[], object], *, top: int = 25) -> dict:
     if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
       us[e["name"]] += e.get("dur", 0.0)
       calls[e["name"]] += 1
-  return dict(device_us=sum(us.values()), wall_us=wall * 1e6, lines=sorted(set(threads.values())),
+  return dict(device_us=sum(us.values()), lines=sorted(set(threads.values())),
               kernels=[dict(name=n[:120], us=round(t, 1), calls=calls[n])
                        for n, t in us.most_common(top)])
 

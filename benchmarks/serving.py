@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import sys
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,12 @@ class Engine:
     hist = None if self.config is None else state.accept_hist.sum(0)
     return jax.device_get((ds.num_new, ds.done, hist))
 
+  def new_tokens(self, state, slot: int) -> np.ndarray:
+    """The tokens slot `slot` has generated so far."""
+    ds = state if self.config is None else state.decode
+    num_new, tokens = jax.device_get((ds.num_new[slot], ds.tokens[slot]))
+    return tokens[:num_new]
+
 
 def _put(state, fresh, slot: int, batch: int):
   """Refill one slot with a freshly prefilled batch-1 state (at batch 1, the state itself)."""
@@ -66,10 +73,13 @@ def _put(state, fresh, slot: int, batch: int):
 
 
 def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *, chunk: int,
-          warmup_s: float, measure_s: float, seed: int = 0) -> tuple[dict, object]:
+          warmup_s: float, measure_s: float, seed: int = 0,
+          on_finish: Callable[[int, np.ndarray], None] | None = None) -> tuple[dict, object]:
   """Continuous batching over the request stream.
 
   Returns (the measured window's numbers, the final state: a steady-state batch to profile).
+  `on_finish(request index, its new tokens)` runs for every request that finishes (tests use it
+  to check that a request served in a refilled slot gets the tokens it would get alone).
   """
   queue = collections.deque(range(len(prompts)))
   # The first B requests go in one by one, like every later refill: a batched prefill of B long
@@ -77,9 +87,17 @@ def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *,
   # B=64). The placeholder one-token batch only fixes the state's static sizes.
   t_setup = time.perf_counter()
   state = engine.prefill([[0]] * batch, max_new, seed)
-  for slot in range(batch):
-    req = queue.popleft()
+  slot_req = [queue.popleft() for _ in range(batch)]
+  reported = np.zeros(batch, bool)
+  for slot, req in enumerate(slot_req):
     state = _put(state, engine.prefill([prompts[req]], max_new, seed + req), slot, batch)
+
+  def finish(slots):
+    for slot in slots:
+      if on_finish is not None and not reported[slot]:
+        on_finish(slot_req[slot], engine.new_tokens(state, slot))
+      reported[slot] = True
+
   state = engine.chunk(state, chunk)             # compiles the chunk
   num_new, done, hist = engine.progress(state)
   t_setup = time.perf_counter() - t_setup
@@ -98,10 +116,12 @@ def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *,
     delta_hist = None if new_hist is None else new_hist - hist
     refilled = False
     for slot in np.flatnonzero(done):
+      finish([slot])
       if not queue:
-        break
+        continue
       counted["finished"] += measuring
-      req = queue.popleft()
+      slot_req[slot] = req = queue.popleft()
+      reported[slot] = False
       state = _put(state, engine.prefill([prompts[req]], max_new, seed + req), slot, batch)
       refilled = True
     if refilled:   # refilled slots restart their token counts and acceptance histograms
@@ -127,6 +147,7 @@ def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *,
     if not queue and done.all():
       break
   bar.close()
+  finish(np.flatnonzero(done))
   out = dict(method=engine.method, gamma=engine.gamma, setup_s=t_setup,
              measured_s=counted["seconds"], tokens=counted["tokens"],
              tokens_per_s=counted["tokens"] / counted["seconds"] if counted["seconds"] else None,

@@ -21,6 +21,7 @@ ratio, so one run can hold a method at 0.07 and at its tuned ratio.
 """
 from __future__ import annotations
 
+import json
 import sys
 
 import jax
@@ -63,6 +64,7 @@ _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens fo
 _TRACE = flags.DEFINE_bool("trace", False, "scale workload: GPU time per kernel of one chunk "
                            "(jax.profiler) in the JSON")
 _PROFILE = flags.DEFINE_bool("profile", True, "measure phase time shares (speculative methods)")
+_PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existing JSON and exit")
 _OUT = flags.DEFINE_string("out", None, "JSON path (default benchmarks/out/throughput_<workload>.json)")
 
 
@@ -131,8 +133,38 @@ def scale_run(model, methods, batch: int, context: int, sampling: SamplingParams
   return rows
 
 
+def plot(payload: dict, png_path: str) -> None:
+  """Bars per method: tokens/s with refills and decode-only, with accepted tokens per round."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [r for r in payload["rows"] if r.get("tokens_per_s")]
+  if not rows:
+    return
+  names = [r["method"] for r in rows]
+  x = range(len(rows))
+  fig, ax = plt.subplots(figsize=(1.6 + 1.0 * len(rows), 3.4))
+  ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], 0.4, label="with refills")
+  ax.bar([i + 0.2 for i in x], [r["decode_only_tokens_per_s"] for r in rows], 0.4,
+         label="decode only")
+  for i, r in zip(x, rows):
+    ax.text(i + 0.2, r["decode_only_tokens_per_s"], f"{r.get('mean_accepted_tokens', 1.0):.2f}",
+            ha="center", va="bottom", fontsize=8)
+  ax.set_xticks(list(x), names, rotation=20, fontsize=8)
+  ax.set_ylabel("tokens / s")
+  ax.set_title(f"{payload['workload']}, B={payload['batch']}, {payload['device']} "
+               "(labels: accepted tokens / round)", fontsize=8)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=100)
+
+
 def main(argv):
   del argv
+  if _PLOT_ONLY.value:
+    with open(_PLOT_ONLY.value) as f:
+      plot(json.load(f), _PLOT_ONLY.value.removesuffix(".json") + ".png")
+    return
   backend = default_backend()
   out_path = _OUT.value or f"benchmarks/out/throughput_{_WORKLOAD.value}.json"
   header = dict(device=device_name(), commit=git_commit(), model=_MODEL.value,
@@ -180,6 +212,7 @@ def main(argv):
     rows.append(row)
     print(row, file=sys.stderr)
     write_json(out_path, dict(header, rows=rows))   # keep what finished if a later method dies
+  plot(dict(header, rows=rows), out_path.removesuffix(".json") + ".png")
   base = next((r for r in rows if r.get("method") == "none" and r.get("tokens_per_s")), None)
   print(f"\n{'method':<12} {'g':>2} {'tok/s':>8} {'x none':>6} {'decode tok/s':>12} {'x none':>6} "
         f"{'acc/round':>9} {'draft':>5} {'verify':>6} {'select':>6}")

@@ -44,9 +44,11 @@ H100 this kernel streams the Qwen3-8B cache at 100-103% of the device-copy rate 
 us, torch SDPA / cuDNN 711 us; T = 8: 733 us, 3.6x torch SDPA), so a Mosaic GPU (TMA + wgmma) port
 has at most the few percent that a read-only stream gets over a copy left to win; Mosaic GPU has no
 row gather on Hopper, which `sparse_attention` needs, and one backend for the three kernels keeps
-the code and the interpret-mode tests uniform. Triton is deprecated from jax 0.11 but present and
-working in 0.11.2 (pl.dot is gone there: the kernels call lax.dot_general); if it is removed, this
-dense kernel is the one to port to Mosaic GPU.
+the code and the interpret-mode tests uniform. The Triton lowering is deprecated from jax 0.11 (a
+"jax-pallas-triton" DeprecationWarning at each pallas_call) but still ships, unchanged in its
+public API, in 0.12.0 and 0.12.0.1 (checked in the wheels); pl.dot is deprecated in 0.11 and removed
+in 0.12, so the kernels call lax.dot_general. If Triton goes, this dense kernel is the one to port
+to Mosaic GPU (present in both versions).
 """
 from __future__ import annotations
 
