@@ -572,3 +572,26 @@ def test_fetch_size_mismatch_and_missing_member(tmp_path, monkeypatch):
 def test_unknown_demo_name():
   with pytest.raises(fetch.FetchError, match="unknown demo model 'nope'"):
     fetch.fetch("nope")
+
+
+def test_gguf_without_torch_fails_before_dequantizing(weights_smollm2_gguf, tmp_path, monkeypatch):
+  # transformers' GGUF tokenizer reader imports torch; without it both entry points must say so
+  # at once, not after dequantizing every tensor, and leave no output behind.
+  import importlib.util
+
+  from jaxspec import convert as convert_lib
+  from jaxspec import loading
+  from jaxspec.weights import gguf as gguf_weights
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a, **k: None if name == "torch" else real_find_spec(name, *a, **k))
+
+  def dequantized(*a, **k):
+    raise AssertionError("dequantized before checking for torch")
+  monkeypatch.setattr(gguf_weights, "read_params", dequantized)
+  with pytest.raises(WeightsError, match="needs torch"):
+    loading.load_model(weights_smollm2_gguf)
+  out = tmp_path / "ckpt"
+  with pytest.raises(WeightsError, match="needs torch"):
+    convert_lib.convert(weights_smollm2_gguf, out, progress=False)
+  assert not out.exists()
