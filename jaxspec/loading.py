@@ -52,8 +52,9 @@ def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False) 
     cfg, model = hf_weights.load(path, dtype=dtype, progress=progress)
     tokenizer = hf_weights.load_tokenizer(path)
   else:
-    tokenizer = gguf_weights.load_tokenizer(path)   # first: it fails fast without torch
+    gguf_weights.require_torch(path)   # before dequantizing, not after
     cfg, model = gguf_weights.load(path, dtype=dtype, progress=progress)
+    tokenizer = gguf_weights.load_tokenizer(path)
   return LoadedModel(cfg=cfg, model=model, tokenizer=tokenizer, source=path)
 
 

@@ -58,7 +58,8 @@ from jaxspec.sampling import SamplingParams, sample
 from jaxspec.selection import METHODS, Selection, SelectionPolicy
 
 __all__ = ["METHODS", "SpecConfig", "SpecState", "speculative_generate", "speculative_chunk",
-           "speculative_prefill", "first_selection", "profile_rounds", "time_phases", "acceptance_summary"]
+           "speculative_prefill", "first_selection", "profile_rounds", "time_phases",
+           "acceptance_summary"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,14 +216,18 @@ def read_params(reader: gguf.GGUFReader, cfg: ModelConfig, *, dtype=jnp.bfloat16
   return params
 
 
+def require_torch(path: str | Path) -> None:
+  """transformers' GGUF reader imports torch, even for the tokenizer alone: say so up front."""
+  if importlib.util.find_spec("torch") is None:
+    raise WeightsError(f"{path}: reading a GGUF tokenizer needs torch (transformers' GGUF reader "
+                       "imports it); install it with: pip install -e '.[gguf]'")
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
   """A transformers tokenizer built from the GGUF's tokenizer metadata (vocab, merges, template)."""
   from transformers import AutoTokenizer
   path = Path(path)
-  if importlib.util.find_spec("torch") is None:
-    # transformers' GGUF reader imports torch, even for the tokenizer alone.
-    raise WeightsError(f"{path}: reading a GGUF tokenizer needs torch (transformers' GGUF reader "
-                       "imports it); install it with: pip install -e '.[gguf]'")
+  require_torch(path)
   try:
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
   except Exception as e:
