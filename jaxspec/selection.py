@@ -85,24 +85,17 @@ def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax
   return _topk.budget(lengths, ratio, min_tokens, k_max)
 
 
-def topk_select(scores: jax.Array, lengths: jax.Array, *, ratio: float, min_tokens: int,
-                k_max: int, backend: str) -> tuple[jax.Array, jax.Array]:
-  """Top-k positions of scores [N, S] among the first lengths[n]: (indices [N, k_max], counts [N]).
+def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_tokens: int,
+                   k_max: int) -> tuple[jax.Array, jax.Array]:
+  """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B]).
 
   The sorting-free threshold select of `pallas_kernels.topk_select` (exact, ties to the lower
   position, positions ascending): at 24 layers x 64 sequences x 33K positions `lax.top_k` sorts
   every row (benchmarks/RESULTS.md). Plain XLA, so the same on every backend.
   """
-  del backend
-  return _topk.topk_select(scores, lengths, ratio=ratio, min_tokens=min_tokens, k_max=k_max,
-                           method="threshold")
-
-
-def _per_layer_topk(scores, prefix, *, ratio, min_tokens, k_max, backend):
-  """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B])."""
   n_layers, b, s = scores.shape
-  idx, cnt = topk_select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers),
-                         ratio=ratio, min_tokens=min_tokens, k_max=k_max, backend=backend)
+  idx, cnt = _topk.topk_select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers),
+                               ratio=ratio, min_tokens=min_tokens, k_max=k_max)
   return idx.reshape(n_layers, b, k_max), cnt.reshape(n_layers, b)
 
 
@@ -174,8 +167,8 @@ class Vegas(SelectionPolicy):
     if scores.ndim == 4:   # never for vegas; guard against a mismatched verify plan
       raise ValueError("vegas expects row-averaged scores [L, B, S]")
     prefix = first_row + 1
-    idx, cnt = _per_layer_topk(scores, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
-                               k_max=self.k_max, backend=backend)
+    idx, cnt = per_layer_topk(scores, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
+                              k_max=self.k_max)
     return Selection(indices=idx, counts=cnt, tail_start=prefix)
 
 
@@ -200,8 +193,8 @@ class VegasLast(SelectionPolicy):
 
   def select_kv(self, cache, scores, first_row, accepted, backend):
     prefix = first_row + accepted + 1        # the keys that row saw: the whole accepted prefix
-    idx, cnt = _per_layer_topk(_row_of_last_accepted(scores, accepted), prefix, ratio=self.ratio,
-                               min_tokens=self.min_tokens, k_max=self.k_max, backend=backend)
+    idx, cnt = per_layer_topk(_row_of_last_accepted(scores, accepted), prefix, ratio=self.ratio,
+                              min_tokens=self.min_tokens, k_max=self.k_max)
     return Selection(indices=idx, counts=cnt, tail_start=prefix)
 
 

@@ -183,17 +183,19 @@ def test_specextend_picks_pages_by_attention_mass():
 
 
 def test_selection_topk_picks_the_reference_set():
-  """`selection.topk_select` (the threshold select, on every backend) selects lax.top_k's set."""
+  """`selection.per_layer_topk` (the threshold select, on every backend) selects lax.top_k's set
+  in every layer."""
   rng = np.random.default_rng(5)
-  scores = jnp.asarray(rng.normal(size=(6, 128)), jnp.bfloat16)
-  lengths = jnp.asarray([128, 100, 64, 17, 5, 90])
+  scores = jnp.asarray(rng.normal(size=(2, 6, 128)), jnp.bfloat16)     # [L, B, S]
+  prefix = jnp.asarray([128, 100, 64, 17, 5, 90])
   args = dict(ratio=0.1, min_tokens=3, k_max=13)
-  ref_idx, ref_cnt = topk_select_reference(scores, lengths, **args)
-  idx, cnt = selection.topk_select(scores, lengths, backend="pallas", **args)
-  np.testing.assert_array_equal(cnt, ref_cnt)
-  for b in range(6):
-    c = int(cnt[b])
-    assert set(np.asarray(idx[b, :c]).tolist()) == set(np.asarray(ref_idx[b, :c]).tolist())
+  idx, cnt = selection.per_layer_topk(scores, prefix, **args)
+  for layer in range(2):
+    ref_idx, ref_cnt = topk_select_reference(scores[layer], prefix, **args)
+    np.testing.assert_array_equal(cnt[layer], ref_cnt)
+    for b in range(6):
+      c = int(cnt[layer, b])
+      assert set(np.asarray(idx[layer, b, :c]).tolist()) == set(np.asarray(ref_idx[b, :c]).tolist())
 
 
 def test_static_k_max_covers_every_budget():
