@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks import workloads
-from benchmarks.common import (copy_bandwidth, device_name, filled_state, git_commit,
+from benchmarks.common import (copy_rates, device_name, filled_state, git_commit,
                                kernel_table, load, time_fn, write_json)
 from benchmarks.serving import Engine, serve
 from jaxspec import decode, speculative
@@ -172,7 +172,9 @@ def main(argv):
                 min_tokens=_MIN_TOKENS.value, backend=backend, argv=" ".join(sys.argv))
   if _WORKLOAD.value == "scale":
     model, _ = load(_MODEL.value)
-    header["copy_gbps"] = copy_bandwidth() / 1e9
+    rates = copy_rates()
+    header.update(copy_gbps=max(rates.values()) / 1e9,
+                  copy_rates_gbps={k: v / 1e9 for k, v in rates.items()})
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
     rows = scale_run(model, _METHODS.value, _BATCH.value, _CONTEXT.value, sampling, backend)
     write_json(out_path, dict(header, rows=rows))

@@ -23,21 +23,25 @@ Kernel (`verify_attention`), flash-decoding:
     (the causal triangle of the T new rows, and the end of the cache) pay for masking.
   * each split writes an unnormalised partial (acc, running max, denominator); a small XLA combine
     merges the P splits (1-2% of the cache bytes at the default split count).
-  * 'logits' scores: inside the same loop, the collected rows of the q.k tile are summed (f32,
-    the reference's order) into one [block_k] vector per KV head and stored straight to HBM
+  * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are one product of
+    the key tile with their summed query (summed in f32 by XLA, passed as a bf16 high + low pair:
+    exact to about 2^-16). It runs as k [block_k, D] @ qsum^T [D, 16], keys on the rows, so
+    the per-key sum of its two live columns stays inside a warp and is stored straight to HBM
     ([B, Hkv, S] f32: 4*Hkv bytes per key against 4*Hkv*D bytes of K/V, about 1/D extra traffic);
     XLA sums the Hkv partials, applies the -inf rule and casts to bf16. No shared memory is used
-    for it. Measured cost (H100, Qwen3-8B layer): +0.4% (T=8, B=4) to +17% (T=12, B=4) over the
-    same kernel with scores off; the all-rows mode costs the same as Collect-2, since every
-    collected row is summed in registers. benchmarks/NOTES_kernels.md has the numbers.
+    for it. The first design summed the collected rows of the [M, block_k] logit tile, a
+    reduction across all warps of the MMA layout. Over scores off on an H200, B=4 x 131072
+    Qwen3-8B at T=12 / T=8 and B=64 x 16384 Qwen2.5-0.5B at T=7 / T=5, that cost +16% / +17% /
+    +51% / +55%; this design costs +7% / +13% / +19% / +17% (NOTES_kernels.md). The
+    all-rows mode costs the same as Collect-2 (one summed query either way).
   * 'weights' scores need the final log-sum-exp, known only after the combine, so they are
     rematerialised by a second pass (`_weights_kernel`) that re-reads K (not V) for the collected
     rows only: +50% over scores off (measured: 1198 vs 796 us). Storing per-row probabilities
     instead would cost 2*R*Hq bytes per key twice (Collect-2 on Qwen3-8B: 6%, all 12 rows: 37%),
     cheaper but not built yet.
   * scores off compiles the kernel without any score code: it costs nothing extra.
-  * default block_k: 128 with scores off (fastest for T = 1, 8 and 12), 64 with fused 'logits'
-    scores (the bigger loop body ran slower at 128).
+  * default block_k: 128 (fastest for T = 1, 8 and 12 with scores off, and with 'logits' scores
+    at head_dim 128), 64 with 'logits' scores at head_dim 64.
 
 Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`), chosen by measurement: on an
 H100 this kernel streams the Qwen3-8B cache at 100-103% of the device-copy rate (T = 1 decode: 712
@@ -120,26 +124,22 @@ def _dot_t(a, b):
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _row_select(m: int, g: int, rows: tuple[int, ...]) -> jax.Array:
-  """[M] bool: packed row r (= t*G + g) belongs to one of the collected query rows t."""
-  t_of_r = jnp.arange(m) // g
-  sel = t_of_r == rows[0]
-  for t in rows[1:]:
-    sel = sel | (t_of_r == t)
-  return sel
-
-
-def _verify_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *score_refs,
-                   sm_scale: float, t: int, g: int, block_k: int, split_len: int,
-                   score_rows: tuple[int, ...] | None):
-  # len_ref  []      int32  cache entries before the T new tokens
-  # q_ref    [M, D]  bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
-  # k_ref    [S, D]         this KV head's keys (the BlockSpec squeezes the head; row stride Hkv*D)
+def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, g: int,
+                   block_k: int, split_len: int, scores: bool):
+  # len_ref  []       int32  cache entries before the T new tokens
+  # q_ref    [M, D]   bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
+  # k_ref    [S, D]          this KV head's keys (the BlockSpec squeezes the head; row stride Hkv*D)
   # v_ref    [S, D]
-  # o_ref    [M, D]  f32    unnormalised partial output of split p
-  # m_ref    [M]     f32    running max of this split, base-2 logits
-  # l_ref    [M]     f32    softmax denominator of this split
-  # score_refs: ([S] f32,) with scores: sum over collected rows of the raw logits q.k, this head
+  # refs, with scores: qsum_ref [16, D], the collected rows' summed query split into a bf16 high
+  #   part (row 0) and low part (row 1), zero rows after; then the outputs
+  # o_ref    [M, D]   f32    unnormalised partial output of split p
+  # m_ref    [M]      f32    running max of this split, base-2 logits
+  # l_ref    [M]      f32    softmax denominator of this split
+  # and with scores: score_ref [S] f32, the collected rows' summed raw logits q.k for this head
+  if scores:
+    qsum_ref, o_ref, m_ref, l_ref, score_ref = refs
+  else:
+    o_ref, m_ref, l_ref = refs
   m_rows, d = q_ref.shape
   length = len_ref[()]
   start = pl.program_id(1) * split_len
@@ -150,9 +150,9 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *score_ref
   n_full = jnp.minimum(jnp.maximum(length + 1 - start, 0) // block_k, n_blocks)
 
   q = q_ref[...]
+  qsum = qsum_ref[...] if scores else None
   row_t = jnp.minimum(jnp.arange(m_rows) // g, t - 1)
   qk_scale = sm_scale * online_softmax.LOG2E
-  sel = None if score_rows is None else _row_select(m_rows, g, score_rows)
 
   def step(i, carry, masked):
     j0 = start + i * block_k
@@ -164,15 +164,15 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *score_ref
     else:
       k = k_ref[pl.ds(j0, block_k), :]
       v = v_ref[pl.ds(j0, block_k), :]
-    qk = _dot_t(q, k)                     # [M, bk] f32
-    if sel is not None:
-      # Raw logits of the collected rows, summed in f32 (the reference's order of operations).
-      partial = jnp.sum(jnp.where(sel[:, None], qk, 0.), axis=0)   # [bk]
+    if scores:
+      # k [bk, D] @ qsum^T: keys on the rows of the product, so the hi + lo sum stays inside a
+      # warp; summing the collected rows of q.k^T instead spans all warps (measured 2-4x dearer).
+      partial = jnp.sum(_dot_t(k, qsum), axis=1)                   # [bk]
       if masked:
-        plgpu.store(score_refs[0].at[pl.ds(j0, block_k)], partial, mask=live)
+        plgpu.store(score_ref.at[pl.ds(j0, block_k)], partial, mask=live)
       else:
-        score_refs[0][pl.ds(j0, block_k)] = partial
-    s = qk * qk_scale
+        score_ref[pl.ds(j0, block_k)] = partial
+    s = _dot_t(q, k) * qk_scale                                      # [M, bk] f32
     if masked:
       s = jnp.where(cols[None, :] <= length + row_t[:, None], s, NEG_INF)
     return online_softmax.update(carry, s, v)
@@ -219,40 +219,45 @@ def _weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float, f
 # ----------------------------------------------------------------------------------------------
 # Unbatched pallas_call wrappers (one sequence; the public function vmaps them over the batch)
 
-def _verify_unbatched(q, k, v, length, *, sm_scale, t, g, block_k, num_splits, score_rows,
+def _verify_unbatched(q, k, v, length, qsum=None, *, sm_scale, t, g, block_k, num_splits,
                       num_warps, num_stages, interpret):
-  """q [Hkv, M, D], k/v [S, Hkv, D], length []
+  """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16, D] or None
 
-  -> partials o [Hkv,P,M,D], m, l [Hkv,P,M], and with score_rows the per-head logit sums [Hkv, S].
+  -> partials o [Hkv,P,M,D], m, l [Hkv,P,M], and with qsum the per-head logit sums [Hkv, S].
   """
   hkv, m_rows, d = q.shape
   s = k.shape[0]
+  scores = qsum is not None
   split_len = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
   p = pl.cdiv(s, split_len)
   kernel = functools.partial(_verify_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
-                             split_len=split_len, score_rows=score_rows)
+                             split_len=split_len, scores=scores)
+  in_specs = [pl.BlockSpec((), lambda h, i: ()),
+              pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
+              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
+              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))]
   out_shape = [jax.ShapeDtypeStruct((hkv, p, m_rows, d), jnp.float32),
                jax.ShapeDtypeStruct((hkv, p, m_rows), jnp.float32),
                jax.ShapeDtypeStruct((hkv, p, m_rows), jnp.float32)]
   out_specs = [pl.BlockSpec((None, None, m_rows, d), lambda h, i: (h, i, 0, 0)),
                pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0)),
                pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0))]
-  if score_rows is not None:
+  args = [length, q, k, v]
+  if scores:
+    in_specs.append(pl.BlockSpec((None, _QSUM_ROWS, d), lambda h, i: (h, 0, 0)))
+    args.append(qsum)
     out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
     out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
   return pl.pallas_call(
       kernel,
       grid=(hkv, p),
-      in_specs=[pl.BlockSpec((), lambda h, i: ()),
-                pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
-                pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
-                pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))],
+      in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"verify_attention_t{t}_g{g}_d{d}" + ("_scores" if score_rows is not None else ""),
-  )(length, q, k, v)
+      name=f"verify_attention_t{t}_g{g}_d{d}" + ("_scores" if scores else ""),
+  )(*args)
 
 
 def _weights_unbatched(q, lse, k, length, *, sm_scale, g, first_row, block_k, num_splits,
@@ -281,6 +286,19 @@ def _weights_unbatched(q, lse, k, length, *, sm_scale, g, first_row, block_k, nu
 
 # ----------------------------------------------------------------------------------------------
 # Public function
+
+_QSUM_ROWS = 16   # the smallest row count tl.dot takes
+
+
+def _summed_query(qp: jax.Array, row_idx: list[int], dtype) -> jax.Array:
+  """[B, Hkv, M, D] packed queries -> [B, Hkv, 16, D]: the collected rows' sum in f32, split into
+  a high (row 0) and low (row 1) part in `dtype`, so that the kernel's one bf16 product per key
+  gives the f32-exact sum of the rows' logits (q.k is linear in q) to about 2^-16."""
+  qsum = jnp.sum(qp[:, :, jnp.asarray(row_idx)].astype(jnp.float32), axis=2)   # [B, Hkv, D]
+  hi = qsum.astype(dtype)
+  lo = (qsum - hi.astype(jnp.float32)).astype(dtype)
+  parts = jnp.stack([hi, lo], axis=2)                                           # [B, Hkv, 2, D]
+  return jnp.pad(parts, ((0, 0), (0, 0), (0, _QSUM_ROWS - 2), (0, 0)))
 
 def _pow2_rows(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())
@@ -316,23 +334,25 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   """Pallas flash-decoding verification attention; same contract as verify_attention_reference.
 
   Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16 or None). Knobs: `block_k` keys per
-  tile (power of two >= 16; default 128, 64 with 'logits' scores), `num_splits` splits of the
-  sequence per (sequence, KV head) (default: enough for ~4 programs per SM), Triton's `num_warps`
-  and `num_stages`.
+  tile (power of two >= 16; default 128, or 64 with 'logits' scores at head_dim < 128, at most
+  the cache length rounded down to a power of two), `num_splits` splits of the sequence per
+  (sequence, KV head) (default: enough for ~4 programs per SM), Triton's `num_warps` and
+  `num_stages`.
   """
   _check_shapes(q, k, v, lengths)
   if score_kind not in (None, "logits", "weights"):
     raise ValueError(f"score_kind must be None, 'logits' or 'weights', got {score_kind!r}")
-  if block_k is None:
-    # Measured on an H100 (benchmarks/NOTES_kernels.md): 128 is fastest with scores off (T=1, 8,
-    # 12); with fused logit scores the loop body grows and 64 is faster.
-    block_k = 64 if score_kind == "logits" else 128
-  if block_k < 16 or block_k & (block_k - 1):
-    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   if d < 16 or d & (d - 1):
     raise ValueError(f"head_dim must be a power of two >= 16 for tl.dot, got {d}")
+  if block_k is None:
+    # Measured (benchmarks/NOTES_kernels.md): 128 is fastest with scores off (T=1, 8, 12; H100 and
+    # H200); with fused logit scores 64 is faster at head_dim 64 (H200, T=5 and 7).
+    block_k = 64 if score_kind == "logits" and d < 128 else 128
+    block_k = min(block_k, max(16, 1 << (s.bit_length() - 1)))   # a short cache: one tile or more
+  if block_k < 16 or block_k & (block_k - 1):
+    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
   if t > s:
     raise ValueError(f"T={t} new tokens do not fit a cache of {s}")
   g = hq // hkv
@@ -347,9 +367,10 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   lengths = lengths.astype(jnp.int32)
   common = dict(block_k=block_k, num_splits=splits, num_warps=num_warps,
                 num_stages=num_stages, interpret=interpret)
-  fused_rows = rows if score_kind == "logits" else None
+  row_idx = [] if rows is None else [r * g + i for r in rows for i in range(g)]   # packed rows
+  qsum = _summed_query(qp, row_idx, k.dtype) if score_kind == "logits" else None
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
-                                    score_rows=fused_rows, **common))(qp, k, v, lengths)
+                                    **common))(qp, k, v, lengths, qsum)
   o, lse2 = combine_splits(*outs[:3])                   # [B,Hkv,M,D], [B,Hkv,M]
   out = o[:, :, :t * g].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
   out = out.astype(q.dtype)
@@ -360,8 +381,8 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     per_head = outs[3]                                  # [B,Hkv,S]
   else:
     # Rematerialise: the collected rows' weights need the final lse, known only now.
-    r_idx = jnp.asarray([r * g + i for r in rows for i in range(g)])
-    mc = _pow2_rows(len(rows) * g)
+    r_idx = jnp.asarray(row_idx)
+    mc = _pow2_rows(len(row_idx))
     qc = jnp.pad(qp[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g), (0, 0)))
     lc = jnp.pad(lse2[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g)),
                  constant_values=jnp.inf)

@@ -98,6 +98,19 @@ def test_verify_attention(t, hq, hkv, d, kind, rows, knobs):
     assert set(got) == set(np.flatnonzero(fin[i])[order[:kk]])
 
 
+def test_summed_query_high_low_parts_keep_the_f32_sum():
+  """The score path's summed query: high + low bf16 parts give the f32 row sum to ~2^-16, where
+  the high part alone is off by up to 2^-9 (the test fails if the low part is dropped)."""
+  qp = _normal((2, 3, 16, 64))
+  rows = [0, 1, 5, 6]
+  want = np.asarray(qp, np.float32)[:, :, rows].sum(axis=2)
+  parts = np.asarray(va._summed_query(qp, rows, jnp.bfloat16), np.float32)   # [2, 3, 16, 64]
+  assert parts.shape == (2, 3, 16, 64) and not parts[:, :, 2:].any()
+  scale = np.abs(want).max()
+  assert np.abs(parts[:, :, 0] + parts[:, :, 1] - want).max() < 2 ** -15 * scale
+  assert np.abs(parts[:, :, 0] - want).max() > 2 ** -12 * scale
+
+
 def test_verify_partials_fully_written():
   """Every partial output element that the combine reads was written by the kernel."""
   b, s, t, hq, hkv, d = 3, 70, 3, 4, 2, 64
@@ -105,9 +118,10 @@ def test_verify_partials_fully_written():
   q = _normal((b, hkv, 16, d))
   k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
   lengths = jnp.array([0, 22, s - t], jnp.int32)
+  qsum = va._summed_query(q, [r * g + i for r in (0, 2) for i in range(g)], k.dtype)
   fn = functools.partial(va._verify_unbatched, sm_scale=0.1, t=t, g=g, block_k=16, num_splits=3,
-                         score_rows=(0, 2), num_warps=4, num_stages=2, interpret=True)
-  o, m, l, part = jax.vmap(fn)(q, k, v, lengths)
+                         num_warps=4, num_stages=2, interpret=True)
+  o, m, l, part = jax.vmap(fn)(q, k, v, lengths, qsum)
   for x in (o, m, l):
     assert not np.isnan(np.asarray(x)).any()
   part = np.asarray(part)                                    # [B, Hkv, S]
