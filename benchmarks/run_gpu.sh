@@ -8,7 +8,7 @@
 #   decode      vanilla decode roofline runs (issue 2)
 #   sweep       Vegas's (gamma, ratio) tuning on the long workload, Fig. 8 / Fig. 13 PNGs (issue 5)
 #   long, short continuous-batching runs of every method (issue 5), at GAMMA / RATIO from the sweep
-#               (METHODS overrides the method list)
+#               (METHODS overrides the method list; WARMUP / MEASURE the window, default 6 / 12 s)
 #   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round (issue 5)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 JAXSPEC_DATA=.data
@@ -39,15 +39,14 @@ for step in "$@"; do
       # Vegas's three-step tuning on the long workload (a smaller grid than the flags' defaults).
       python3 -m benchmarks.sweep --model=$CKPT --workload=long --batch=64 --max_new_tokens=256 \
         --accept_batch=16 --num_requests=256 --ratios=0.02,0.04,0.07,0.12 --big_gamma=8 --gammas=4,6,8 \
-        --warmup_s=3 --measure_s=6 --ignore_eos --out=$OUT/sweep_long 2>&1 | grep -v "^[IW]1" | tail -16
-      cp $OUT/sweep_long.json /tmp/sweep_long.json ;;   # for a later call on the same machine
+        --warmup_s=3 --measure_s=6 --ignore_eos --out=$OUT/sweep_long 2>&1 | grep -v "^[IW]1" | tail -16 ;;
     long|short)
       # GAMMA and RATIO: the sweep's choice. --ignore_eos: the 0.5B coder ends most answers early;
       # the paper's workloads keep long contexts and outputs.
       if [ $step = long ]; then extra="--batch=64 --max_new_tokens=1024"; else extra="--batch=128 --max_new_tokens=4096"; fi
       python3 -m benchmarks.throughput --model=$CKPT --workload=$step $extra \
         --methods=${METHODS:-none,streaming,quest,specextend,vegas-all,vegas,vegas@${RATIO:-0.07}} \
-        --gammas=default=${GAMMA:-6} --ignore_eos --num_requests=512 --warmup_s=8 --measure_s=15 \
+        --gammas=default=${GAMMA:-6} --ignore_eos --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_$step.json 2>&1 | grep -v "^[IW]1" | tail -10 ;;
     scale)
       python3 -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4 \

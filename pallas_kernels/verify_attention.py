@@ -28,12 +28,14 @@ Kernel (`verify_attention`), flash-decoding:
     exact to about 2^-16). It runs as k [block_k, D] @ qsum^T [D, 16], keys on the rows, so
     the per-key sum of its two live columns stays inside a warp and is stored straight to HBM
     ([B, Hkv, S] f32: 4*Hkv bytes per key against 4*Hkv*D bytes of K/V, about 1/D extra traffic);
-    XLA sums the Hkv partials, applies the -inf rule and casts to bf16. No shared memory is used
-    for it. The first design summed the collected rows of the [M, block_k] logit tile, a
-    reduction across all warps of the MMA layout. Over scores off on an H200, B=4 x 131072
-    Qwen3-8B at T=12 / T=8 and B=64 x 16384 Qwen2.5-0.5B at T=7 / T=5, that cost +16% / +17% /
-    +51% / +55%; this design costs +7% / +13% / +19% / +17% (NOTES_kernels.md). The
-    all-rows mode costs the same as Collect-2 (one summed query either way).
+    XLA sums the Hkv partials, applies the -inf rule and casts to bf16. It reuses the K tile
+    already staged for the main product. The first design summed the collected rows of the [M, block_k] logit tile, a
+    reduction across all warps of the MMA layout. On an H200, over scores off: Qwen3-8B B=4 x
+    131072 at T=12 / T=8 and Qwen2.5-0.5B B=64 x 16384 at T=7 / T=5, the old design cost +16% /
+    +17% / +51% / +55%, this one +7% / +13% / +19% / +17% (a side-by-side variant run;
+    benchmarks/kernels.py's run 2 measured +8-10% on Qwen3-8B and +25% on the 0.5B at T=8). The
+    issue's goal is 5%: what is left is the extra MMA and store per block in a loop that has one
+    program per SM (NOTES_kernels.md v4). The all-rows mode costs the same as Collect-2.
   * 'weights' scores need the final log-sum-exp, known only after the combine, so they are
     rematerialised by a second pass (`_weights_kernel`) that re-reads K (not V) for the collected
     rows only: +50% over scores off (measured: 1198 vs 796 us). Storing per-row probabilities
@@ -304,9 +306,17 @@ def _pow2_rows(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())
 
 
-def default_splits(batch_heads: int, blocks: int, programs: int = _DEFAULT_PROGRAMS) -> int:
-  """Splits per (sequence, KV head) so that the grid holds about `programs` programs."""
-  return max(1, min(pl.cdiv(programs, batch_heads), blocks))
+def default_splits(batch_heads: int, blocks: int, programs: int = _DEFAULT_PROGRAMS, *,
+                   at_most: bool = False) -> int:
+  """Splits per (sequence, KV head) so that the grid holds about `programs` programs.
+
+  at_most: never more than `programs`. The dense kernel at head_dim 128 and block_k 128 holds one
+  program per SM (232 registers a thread, 213 KB of shared memory: ncu on an H200), so a few programs past whole waves cost a
+  whole extra wave: on an H200, Qwen3-8B B=4 (32 sequence-head pairs), 17 splits (544 programs)
+  took 540.9 us and 16 splits 498.5 us.
+  """
+  n = programs // batch_heads if at_most else pl.cdiv(programs, batch_heads)
+  return max(1, min(n, blocks))
 
 
 def combine_splits(o, m, l):
@@ -336,7 +346,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16 or None). Knobs: `block_k` keys per
   tile (power of two >= 16; default 128, or 64 with 'logits' scores at head_dim < 128, at most
   the cache length rounded down to a power of two), `num_splits` splits of the sequence per
-  (sequence, KV head) (default: enough for ~4 programs per SM), Triton's `num_warps` and
+  (sequence, KV head) (default: at most ~4 programs per SM), Triton's `num_warps` and
   `num_stages`.
   """
   _check_shapes(q, k, v, lengths)
@@ -358,7 +368,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   g = hq // hkv
   scale = d ** -0.5 if sm_scale is None else sm_scale
   rows = None if score_kind is None else normalize_rows(score_rows, t)
-  splits = num_splits or default_splits(b * hkv, pl.cdiv(s, block_k))
+  splits = num_splits or default_splits(b * hkv, pl.cdiv(s, block_k), at_most=True)
   m_rows = _pow2_rows(t * g)
 
   # [B,T,Hq,D] -> [B,Hkv,T*G,D] (row r = t*G + g), zero-padded to M rows.

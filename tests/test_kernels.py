@@ -129,6 +129,13 @@ def test_verify_partials_fully_written():
     assert not np.isnan(part[i, :, :n + 1]).any()            # keys seen by both collected rows
 
 
+def test_default_splits_stay_within_the_program_budget():
+  assert va.default_splits(32, 1024, 528, at_most=True) == 16      # 512 programs, not 544
+  assert va.default_splits(32, 1024, 528) == 17                    # the sparse kernel's rounding
+  assert va.default_splits(1000, 1024, 528, at_most=True) == 1     # never zero
+  assert va.default_splits(4, 3, 528, at_most=True) == 3           # never more than the blocks
+
+
 def test_verify_attention_bad_shapes():
   q = jnp.zeros((2, 3, 4, 64), jnp.bfloat16)
   k = jnp.zeros((2, 50, 2, 64), jnp.bfloat16)
