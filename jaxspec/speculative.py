@@ -348,19 +348,16 @@ def speculative_generate(model: Transformer, prompts: list[list[int]], *, method
 # ----------------------------------------------------------------------------------------------
 # Phase timing
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
-def _draft_phase(graphdef, params, state, *, config):
-  return draft(nnx.merge(graphdef, params), state, config)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("state",))
-def _verify_phase(graphdef, params, state, drafts, draft_logits, *, config):
-  return verify(nnx.merge(graphdef, params), state, drafts, draft_logits, config)
-
-
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def _select_phase(state, scores, first_row, accepted, *, config):
-  return select_kv(state, scores, first_row, accepted, config)
+def _phase_fns(graphdef, config: SpecConfig):
+  """The three phases, each jitted with the model structure and config closed over: passing the
+  GraphDef as a static argument would hash it on every call (1.5 ms for the 0.5B model, on the
+  host while the device waits), which a phase timer would count as phase time."""
+  draft_fn = jax.jit(lambda params, state: draft(nnx.merge(graphdef, params), state, config),
+                     donate_argnums=1)
+  verify_fn = jax.jit(lambda params, state, drafts, logits: verify(
+      nnx.merge(graphdef, params), state, drafts, logits, config), donate_argnums=1)
+  select_fn = jax.jit(lambda state, *rest: select_kv(state, *rest, config), donate_argnums=0)
+  return draft_fn, verify_fn, select_fn
 
 
 def profile_rounds(model: Transformer, prompts: list[list[int]], *, method: str, gamma: int,
@@ -378,8 +375,10 @@ def profile_rounds(model: Transformer, prompts: list[list[int]], *, method: str,
              which is fused into the draft attention);
     verify   the full-attention pass incl. score collection, the LM head, accept/reject, append;
     select   the policy's KV selection (top-k, page aggregation, quest's page summaries).
-  Separate calls add dispatch and lose cross-phase fusion, so the sum exceeds a fused round
-  slightly; use the shares, and `speculative_generate`'s tok/s for throughput. Sequences that
+  Separate calls add dispatch and lose cross-phase fusion, so the sum exceeds a fused round: on
+  an H200 by 1.3-2.5x (benchmarks/RESULTS.md, Throughput), partly host time hashing the model
+  structure that the phases now close over instead; read the shares as rough, and take
+  throughput from `speculative_generate` or the serving benchmark. Sequences that
   finish keep riding along, so keep max_new_tokens above (warmup + rounds) * (gamma + 1).
   Returns seconds per round for each phase, their shares, and the acceptance over the timed rounds.
   """
@@ -402,19 +401,19 @@ def time_phases(graphdef, params, state: SpecState, config: SpecConfig, *, round
 
   The state is donated round by round; use the returned one.
   """
+  draft_fn, verify_fn, select_fn = _phase_fns(graphdef, config)
   times = {"draft": 0.0, "verify": 0.0, "select": 0.0}
   hist0 = None
   for r in range(warmup + rounds):
     if r == warmup:
       hist0 = np.asarray(state.accept_hist)
     t0 = time.perf_counter()
-    state, drafts, draft_logits = jax.block_until_ready(
-        _draft_phase(graphdef, params, state, config=config))
+    state, drafts, draft_logits = jax.block_until_ready(draft_fn(params, state))
     t1 = time.perf_counter()
     state, scores, first_row, accepted = jax.block_until_ready(
-        _verify_phase(graphdef, params, state, drafts, draft_logits, config=config))
+        verify_fn(params, state, drafts, draft_logits))
     t2 = time.perf_counter()
-    state = jax.block_until_ready(_select_phase(state, scores, first_row, accepted, config=config))
+    state = jax.block_until_ready(select_fn(state, scores, first_row, accepted))
     t3 = time.perf_counter()
     if r >= warmup:
       times["draft"] += t1 - t0

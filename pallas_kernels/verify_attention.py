@@ -23,19 +23,19 @@ Kernel (`verify_attention`), flash-decoding:
     (the causal triangle of the T new rows, and the end of the cache) pay for masking.
   * each split writes an unnormalised partial (acc, running max, denominator); a small XLA combine
     merges the P splits (1-2% of the cache bytes at the default split count).
-  * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are one product of
-    the key tile with their summed query (summed in f32 by XLA, passed as a bf16 high + low pair:
-    exact to about 2^-16). It runs as k [block_k, D] @ qsum^T [D, 16], keys on the rows, so
-    the per-key sum of its two live columns stays inside a warp and is stored straight to HBM
-    ([B, Hkv, S] f32: 4*Hkv bytes per key against 4*Hkv*D bytes of K/V, about 1/D extra traffic);
-    XLA sums the Hkv partials, applies the -inf rule and casts to bf16. It reuses the K tile
-    already staged for the main product. The first design summed the collected rows of the [M, block_k] logit tile, a
-    reduction across all warps of the MMA layout. On an H200, over scores off: Qwen3-8B B=4 x
-    131072 at T=12 / T=8 and Qwen2.5-0.5B B=64 x 16384 at T=7 / T=5, the old design cost +16% /
-    +17% / +51% / +55%, this one +7% / +13% / +19% / +17% (a side-by-side variant run;
-    benchmarks/kernels.py's run 2 measured +8-10% on Qwen3-8B and +25% on the 0.5B at T=8). The
-    issue's goal is 5%: what is left is the extra MMA and store per block in a loop that has one
-    program per SM (NOTES_kernels.md v4). The all-rows mode costs the same as Collect-2.
+  * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are one product of the
+    key tile with their summed query (summed in f32 by XLA, passed as a bf16 high + low pair: exact
+    to about 2^-16). It runs as k [block_k, D] @ qsum^T [D, 16], keys on the rows, so the per-key
+    sum of its two live columns stays inside a warp and is stored straight to HBM ([B, Hkv, S] f32:
+    4*Hkv bytes per key against 4*Hkv*D bytes of K/V, about 1/D extra traffic); XLA sums the Hkv
+    partials, applies the -inf rule and casts to bf16. It reuses the K tile already staged for the
+    main product. The first design summed the collected rows of the [M, block_k] logit tile, a
+    reduction across all warps of the MMA layout. On an H200, over scores off: Qwen3-8B B=4 x 131072
+    at T=12 / T=8 and Qwen2.5-0.5B B=64 x 16384 at T=7 / T=5, the old design cost +16% / +17% / +51%
+    / +55%, this one +7% / +13% / +19% / +17% (a side-by-side variant run; benchmarks/kernels.py's
+    run 2 measured +8-10% on Qwen3-8B and +25% on the 0.5B at T=8). The issue's goal is 5%: what is
+    left is the extra MMA and store per block in a loop with one or two programs per SM
+    (NOTES_kernels.md v4). The all-rows mode costs the same as Collect-2.
   * 'weights' scores need the final log-sum-exp, known only after the combine, so they are
     rematerialised by a second pass (`_weights_kernel`) that re-reads K (not V) for the collected
     rows only: +50% over scores off (measured: 1198 vs 796 us). Storing per-row probabilities
@@ -168,7 +168,7 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       v = v_ref[pl.ds(j0, block_k), :]
     if scores:
       # k [bk, D] @ qsum^T: keys on the rows of the product, so the hi + lo sum stays inside a
-      # warp; summing the collected rows of q.k^T instead spans all warps (measured 2-4x dearer).
+      # warp; summing the collected rows of q.k^T instead spans all warps (2-3x dearer, H200).
       partial = jnp.sum(_dot_t(k, qsum), axis=1)                   # [bk]
       if masked:
         plgpu.store(score_ref.at[pl.ds(j0, block_k)], partial, mask=live)
@@ -302,6 +302,7 @@ def _summed_query(qp: jax.Array, row_idx: list[int], dtype) -> jax.Array:
   parts = jnp.stack([hi, lo], axis=2)                                           # [B, Hkv, 2, D]
   return jnp.pad(parts, ((0, 0), (0, 0), (0, _QSUM_ROWS - 2), (0, 0)))
 
+
 def _pow2_rows(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())
 
@@ -311,9 +312,9 @@ def default_splits(batch_heads: int, blocks: int, programs: int = _DEFAULT_PROGR
   """Splits per (sequence, KV head) so that the grid holds about `programs` programs.
 
   at_most: never more than `programs`. The dense kernel at head_dim 128 and block_k 128 holds one
-  program per SM (232 registers a thread, 213 KB of shared memory: ncu on an H200), so a few programs past whole waves cost a
-  whole extra wave: on an H200, Qwen3-8B B=4 (32 sequence-head pairs), 17 splits (544 programs)
-  took 540.9 us and 16 splits 498.5 us.
+  program per SM (232 registers a thread, 213 KB of shared memory: ncu on an H200), so a few
+  programs past whole waves cost a whole extra wave: on an H200, Qwen3-8B B=4 (32 sequence-head
+  pairs), 17 splits (544 programs) took 540.9 us and 16 splits 498.5 us.
   """
   n = programs // batch_heads if at_most else pl.cdiv(programs, batch_heads)
   return max(1, min(n, blocks))
