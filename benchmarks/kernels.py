@@ -224,7 +224,8 @@ def check_all() -> bool:
   groups = set(FLAGS.check_groups)
   verify_cases = [(1, 32, 8, 128, None, (0, -1)), (8, 32, 8, 128, "logits", (0, -1)),
                   (12, 32, 8, 128, "weights", (0, -1)), (12, 14, 2, 64, "logits", None),
-                  (7, 7, 1, 128, "weights", None), (2, 12, 2, 128, "logits", (0, -1))]
+                  (7, 7, 1, 128, "weights", None), (2, 12, 2, 128, "logits", (0, -1)),
+                  (8, 32, 8, 128, "logits", "per_row"), (5, 14, 2, 64, "weights", "per_row")]
   for (t, hq, hkv, d, kind, rows) in verify_cases:
     if "verify" not in groups:
       break
@@ -233,8 +234,12 @@ def check_all() -> bool:
       k, v = cache(b, s, hkv, d, seed=t)
       q = rand(t + 7, (b, t, hq, d))
       lengths = jnp.array([0, 517, s - t], jnp.int32)
-      out, sc = verify_attention(q, k, v, lengths, score_kind=kind, score_rows=rows)
-      ro, rs = verify_attention_reference(q, k, v, lengths, score_kind=kind, score_rows=rows)
+      opts = dict(score_kind=kind, per_row=True) if rows == "per_row" else dict(
+          score_kind=kind, score_rows=rows)
+      out, sc = verify_attention(q, k, v, lengths, **opts)
+      ro, rs = verify_attention_reference(q, k, v, lengths, **opts)
+      if rows == "per_row":   # check row T-1 of the dump like a collected score row
+        sc, rs = sc[:, -1], rs[:, -1]
       e = rel_err(out, ro)
       good = e < 1e-2 and not bool(jnp.isnan(out).any())
       msg = f"verify T={t} {hq}/{hkv}/{d} {kind} rows={rows}: out err {e:.1e}"
@@ -331,10 +336,13 @@ def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(
   base = kv_bytes(b * s, hkv, d)
   name = f"{'decode' if t == 1 else 'verify'} {model} B{b}xL{s} T{t}"
   for mode in modes:
-    kind, rows = {"off": (None, (0, -1)), "collect2": ("logits", (0, -1)),
-                  "collect2-weights": ("weights", (0, -1)), "allrows": ("logits", None)}[mode]
-    nbytes = base + (b * s * 2 if kind else 0)
-    fn = functools.partial(verify_attention, score_kind=kind, score_rows=rows)
+    kind, rows, per_row = {"off": (None, (0, -1), False), "collect2": ("logits", (0, -1), False),
+                           "collect2-weights": ("weights", (0, -1), False),
+                           "allrows": ("logits", None, False),
+                           "perrow-logits": ("logits", None, True),
+                           "perrow-weights": ("weights", None, True)}[mode]
+    nbytes = base + (b * s * 2 * (t if per_row else 1) if kind else 0)
+    fn = functools.partial(verify_attention, score_kind=kind, score_rows=rows, per_row=per_row)
     record(name, f"pallas scores={mode}", lambda fn=fn: time_jax(fn, qs), nbytes, mode=mode)
     if chain:
       record(name, f"pallas scores={mode} [chained]", lambda fn=fn: time_chain(fn, qs[0]), nbytes,
@@ -474,7 +482,8 @@ def full(q3, sh, sweep_dense, sweep_sparse):
     dense_case(q3, 4, 131072 // sh, 1, ("off",), variants=sweep_dense)
     dense_case(q3, 16, 32768 // sh, 1, ("off",))
   if wanted("verify"):
-    dense_case(q3, 4, 131072 // sh, 8, ("off", "collect2", "collect2-weights", "allrows"),
+    dense_case(q3, 4, 131072 // sh, 8, ("off", "collect2", "collect2-weights", "allrows",
+                                        "perrow-logits", "perrow-weights"),
                variants=sweep_dense[:5])
     dense_case(q3, 4, 131072 // sh, 12, ("off", "collect2", "allrows"))
     dense_case(q3, 16, 32768 // sh, 8, ("off", "collect2"))
@@ -488,7 +497,7 @@ def full(q3, sh, sweep_dense, sweep_sparse):
     for m in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
       splits = ({"num_splits": 4}, {"num_splits": 8}) if FLAGS.sweep else ()
       dense_case(m, 64, 16384 // sh, 1, ("off",), variants=splits)
-      dense_case(m, 64, 16384 // sh, 8, ("off", "collect2"), variants=splits)
+      dense_case(m, 64, 16384 // sh, 8, ("off", "collect2", "perrow-weights"), variants=splits)
       sparse_case(m, 64, 16384 // sh, 1024 // sh, 1)
       sparse_case(m, 64, 16384 // sh, 1024 // sh, 8)
   if wanted("topk"):

@@ -76,28 +76,14 @@ def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
     return _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan)
   if plan.mode == "dense":
     fn = _verify.verify_attention_reference if plan.backend == "reference" else _verify.verify_attention
-    if plan.score_per_row and plan.score_kind is not None:
-      out, _ = fn(q, k_cache, v_cache, lengths)
-      return out, _scores_per_row(q, k_cache, v_cache, lengths, plan.score_kind)
-    return fn(q, k_cache, v_cache, lengths, score_kind=plan.score_kind, score_rows=plan.score_rows)
+    return fn(q, k_cache, v_cache, lengths, score_kind=plan.score_kind, score_rows=plan.score_rows,
+              per_row=plan.score_per_row)
   if plan.mode == "quest":
     indices, counts = _quest_select(q, k_cache, plan)
     plan = plan.replace(indices=indices, counts=counts)
   fn = _sparse.sparse_attention_reference if plan.backend == "reference" else _sparse.sparse_attention
   out = fn(q, k_cache, v_cache, plan.indices, plan.counts, plan.tail_start, lengths)
   return out, None
-
-
-def _scores_per_row(q, k_cache, v_cache, lengths, score_kind):
-  """[B, T, S]: each query row's own scores, with the reference's exact semantics for one row
-  (row t sits at lengths + t and sees keys <= lengths + t). The attention output it also computes
-  is dead code and compiled away."""
-  def one_row(q_row, offset):
-    _, s = _verify.verify_attention_reference(q_row, k_cache, v_cache, lengths + offset,
-                                              score_kind=score_kind, score_rows=(0,))
-    return s
-  rows = jnp.arange(q.shape[1], dtype=jnp.int32)
-  return jax.vmap(one_row, in_axes=(1, 0), out_axes=1)(q[:, :, None], rows)
 
 
 def _quest_select(q, k_cache, plan):

@@ -41,6 +41,12 @@ Kernel (`verify_attention`), flash-decoding:
     rows only: +50% over scores off (measured: 1198 vs 796 us). Storing per-row probabilities
     instead would cost 2*R*Hq bytes per key twice (Collect-2 on Qwen3-8B: 6%, all 12 rows: 37%),
     cheaper but not built yet.
+  * per-row scores (`per_row=True`, [B, T, S], each query row's own scores, for the policies keyed
+    on the last accepted token): 'logits' in the main pass, each row's head-summed query in one
+    [block_k, R] product (R = T rounded up to 16) stored key-major as [B, Hkv, S, R] f32 (4R bytes
+    per key and KV head); 'weights' by a second pass over K like the collected weights, each row's
+    G heads summed by an MMA with a 0/1 grouping matrix. Tested in interpret mode only so far: not
+    yet compiled or timed on a GPU.
   * scores off compiles the kernel without any score code: it costs nothing extra.
   * default block_k: 128 (fastest for T = 1, 8 and 12 with scores off, and with 'logits' scores
     at head_dim 128), 64 with 'logits' scores at head_dim 64.
@@ -88,11 +94,15 @@ def normalize_rows(score_rows: tuple[int, ...] | None, t: int) -> tuple[int, ...
   return tuple(sorted(set(rows)))
 
 
-@functools.partial(jax.jit, static_argnames=("score_kind", "score_rows", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("score_kind", "score_rows", "sm_scale", "per_row"))
 def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = None,
                                score_rows: tuple[int, ...] | None = (0, -1),
-                               sm_scale: float | None = None):
-  """Pure-JAX reference. Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16 or None)."""
+                               sm_scale: float | None = None, per_row: bool = False):
+  """Pure-JAX reference. Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16 or None).
+
+  per_row: scores [B,T,S] instead, one row per query row t (mean over the Hq heads of that row's
+  logits or weights; -inf on the keys it does not see); `score_rows` is then unused.
+  """
   _check_shapes(q, k, v, lengths)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
@@ -110,11 +120,14 @@ def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = Non
   if score_kind is not None:
     if score_kind not in ("logits", "weights"):
       raise ValueError(f"score_kind must be 'logits' or 'weights', got {score_kind!r}")
-    rows = jnp.asarray(normalize_rows(score_rows, t))
     per = logits if score_kind == "logits" else probs                    # [B,Hkv,G,T,S]
-    mean = per[:, :, :, rows].mean(axis=(1, 2, 3))                       # [B,S]
-    seen_by_all = visible[:, rows].all(axis=1)                           # [B,S]
-    scores = jnp.where(seen_by_all, mean, NEG_INF).astype(jnp.bfloat16)
+    if per_row:
+      scores = jnp.where(visible, per.mean(axis=(1, 2)), NEG_INF).astype(jnp.bfloat16)
+    else:
+      rows = jnp.asarray(normalize_rows(score_rows, t))
+      mean = per[:, :, :, rows].mean(axis=(1, 2, 3))                     # [B,S]
+      seen_by_all = visible[:, rows].all(axis=1)                         # [B,S]
+      scores = jnp.where(seen_by_all, mean, NEG_INF).astype(jnp.bfloat16)
   return out.astype(q.dtype), scores
 
 
@@ -127,21 +140,24 @@ def _dot_t(a, b):
 
 
 def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, g: int,
-                   block_k: int, split_len: int, scores: bool):
+                   block_k: int, split_len: int, score_mode: str | None):
   # len_ref  []       int32  cache entries before the T new tokens
   # q_ref    [M, D]   bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
   # k_ref    [S, D]          this KV head's keys (the BlockSpec squeezes the head; row stride Hkv*D)
   # v_ref    [S, D]
-  # refs, with scores: qsum_ref [16, D], the collected rows' summed query split into a bf16 high
-  #   part (row 0) and low part (row 1), zero rows after; then the outputs
+  # refs, with scores: qsum_ref, summed queries split into bf16 high and low parts:
+  #   'sum'  [16, D]  the collected rows' sum: high part in row 0, low part in row 1, zeros after
+  #   'rows' [2R, D]  each query row's sum over its G heads: high parts in rows 0..R-1, low after
+  # then the outputs
   # o_ref    [M, D]   f32    unnormalised partial output of split p
   # m_ref    [M]      f32    running max of this split, base-2 logits
   # l_ref    [M]      f32    softmax denominator of this split
-  # and with scores: score_ref [S] f32, the collected rows' summed raw logits q.k for this head
-  if scores:
-    qsum_ref, o_ref, m_ref, l_ref, score_ref = refs
-  else:
+  # and with scores: score_ref, raw logits q.k of this KV head's heads, summed:
+  #   'sum'  [S] f32 over the collected rows;  'rows' [S, R] f32 per query row (column t)
+  if score_mode is None:
     o_ref, m_ref, l_ref = refs
+  else:
+    qsum_ref, o_ref, m_ref, l_ref, score_ref = refs
   m_rows, d = q_ref.shape
   length = len_ref[()]
   start = pl.program_id(1) * split_len
@@ -152,7 +168,11 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   n_full = jnp.minimum(jnp.maximum(length + 1 - start, 0) // block_k, n_blocks)
 
   q = q_ref[...]
-  qsum = qsum_ref[...] if scores else None
+  if score_mode == "rows":
+    r_rows = qsum_ref.shape[0] // 2
+    q_hi, q_lo = qsum_ref[pl.ds(0, r_rows), :], qsum_ref[pl.ds(r_rows, r_rows), :]
+  elif score_mode == "sum":
+    qsum = qsum_ref[...]
   row_t = jnp.minimum(jnp.arange(m_rows) // g, t - 1)
   qk_scale = sm_scale * online_softmax.LOG2E
 
@@ -166,7 +186,7 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     else:
       k = k_ref[pl.ds(j0, block_k), :]
       v = v_ref[pl.ds(j0, block_k), :]
-    if scores:
+    if score_mode == "sum":
       # k [bk, D] @ qsum^T: keys on the rows of the product, so the hi + lo sum stays inside a
       # warp; summing the collected rows of q.k^T instead spans all warps (2-3x dearer, H200).
       partial = jnp.sum(_dot_t(k, qsum), axis=1)                   # [bk]
@@ -174,6 +194,12 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
         plgpu.store(score_ref.at[pl.ds(j0, block_k)], partial, mask=live)
       else:
         score_ref[pl.ds(j0, block_k)] = partial
+    elif score_mode == "rows":
+      partial = _dot_t(k, q_hi) + _dot_t(k, q_lo)                  # [bk, R], keys on the rows
+      if masked:
+        plgpu.store(score_ref.at[pl.ds(j0, block_k), :], partial, mask=live[:, None])
+      else:
+        score_ref[pl.ds(j0, block_k), :] = partial
     s = _dot_t(q, k) * qk_scale                                      # [M, bk] f32
     if masked:
       s = jnp.where(cols[None, :] <= length + row_t[:, None], s, NEG_INF)
@@ -218,22 +244,62 @@ def _weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float, f
   jax.lax.fori_loop(0, n_blocks, step, 0)
 
 
+def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float, t: int, g: int,
+                        block_k: int, split_len: int):
+  # len_ref  []      int32
+  # q_ref    [M, D]  this KV head's query rows, row r = t*G + g (as in _verify_kernel)
+  # lse_ref  [M]     f32 final base-2 log-sum-exp of each row (+inf on padding rows)
+  # k_ref    [S, D]
+  # w_ref    [S, R]  f32 per query row t (column t): sum over its G heads of exp(scale*q.k - lse)
+  m_rows, _ = q_ref.shape
+  r_rows = w_ref.shape[1]
+  length = len_ref[()]
+  start = pl.program_id(1) * split_len
+  end = length + t                          # the last row sees keys < length + T
+  span = jnp.clip(end - start, 0, split_len)
+  n_blocks = (span + block_k - 1) // block_k
+  q = q_ref[...]
+  lse = lse_ref[...]
+  qk_scale = sm_scale * online_softmax.LOG2E
+  row_t = jnp.arange(m_rows) // g
+  # [M, R] 0/1: packed row r belongs to query row t. The G-head sum per row is then an MMA over
+  # the key-major weight tile, which keeps keys on the rows (no reduction across warps).
+  group = (row_t[:, None] == jnp.arange(r_rows)[None, :]).astype(q.dtype)
+
+  def step(i, _):
+    j0 = start + i * block_k
+    cols = j0 + jnp.arange(block_k)
+    live = cols < end
+    k = plgpu.load(k_ref.at[pl.ds(j0, block_k), :], mask=live[:, None], other=0.)
+    s = _dot_t(k, q) * qk_scale - lse[None, :]                      # [bk, M]
+    # Zero the keys a row does not see: the -inf they get is applied later, but their exp is
+    # unbounded, and an inf times another row's 0 in the group product below would be NaN.
+    p = jnp.where(cols[:, None] <= length + row_t[None, :], jnp.exp2(s), 0.)
+    p_hi = p.astype(q.dtype)                                         # bf16 high + low parts:
+    p_lo = (p - p_hi.astype(jnp.float32)).astype(q.dtype)            # the sum keeps ~2^-16
+    w = online_softmax.dot(p_hi, group) + online_softmax.dot(p_lo, group)   # [bk, R]
+    plgpu.store(w_ref.at[pl.ds(j0, block_k), :], w, mask=live[:, None])
+    return _
+
+  jax.lax.fori_loop(0, n_blocks, step, 0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Unbatched pallas_call wrappers (one sequence; the public function vmaps them over the batch)
 
 def _verify_unbatched(q, k, v, length, qsum=None, *, sm_scale, t, g, block_k, num_splits,
-                      num_warps, num_stages, interpret):
-  """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16, D] or None
+                      score_mode, num_warps, num_stages, interpret):
+  """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16 or 2R, D] or None
 
-  -> partials o [Hkv,P,M,D], m, l [Hkv,P,M], and with qsum the per-head logit sums [Hkv, S].
+  -> partials o [Hkv,P,M,D], m, l [Hkv,P,M], and with scores the per-head logit sums:
+  [Hkv, S] ('sum') or [Hkv, S, R] ('rows').
   """
   hkv, m_rows, d = q.shape
   s = k.shape[0]
-  scores = qsum is not None
   split_len = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
   p = pl.cdiv(s, split_len)
   kernel = functools.partial(_verify_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
-                             split_len=split_len, scores=scores)
+                             split_len=split_len, score_mode=score_mode)
   in_specs = [pl.BlockSpec((), lambda h, i: ()),
               pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
               pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
@@ -245,11 +311,16 @@ def _verify_unbatched(q, k, v, length, qsum=None, *, sm_scale, t, g, block_k, nu
                pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0)),
                pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0))]
   args = [length, q, k, v]
-  if scores:
-    in_specs.append(pl.BlockSpec((None, _QSUM_ROWS, d), lambda h, i: (h, 0, 0)))
+  if score_mode is not None:
+    in_specs.append(pl.BlockSpec((None, qsum.shape[1], d), lambda h, i: (h, 0, 0)))
     args.append(qsum)
-    out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
-    out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
+    if score_mode == "sum":
+      out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
+      out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
+    else:
+      r_rows = qsum.shape[1] // 2
+      out_shape.append(jax.ShapeDtypeStruct((hkv, s, r_rows), jnp.float32))
+      out_specs.append(pl.BlockSpec((None, s, r_rows), lambda h, i: (h, 0, 0)))
   return pl.pallas_call(
       kernel,
       grid=(hkv, p),
@@ -258,31 +329,37 @@ def _verify_unbatched(q, k, v, length, qsum=None, *, sm_scale, t, g, block_k, nu
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"verify_attention_t{t}_g{g}_d{d}" + ("_scores" if scores else ""),
+      name=f"verify_attention_t{t}_g{g}_d{d}" + (f"_scores_{score_mode}" if score_mode else ""),
   )(*args)
 
 
-def _weights_unbatched(q, lse, k, length, *, sm_scale, g, first_row, block_k, num_splits,
+def _weights_unbatched(q, lse, k, length, *, kernel, name, r_rows, block_k, num_splits,
                        num_warps, num_stages, interpret):
-  """q [Hkv, Mc, D], lse [Hkv, Mc], k [S, Hkv, D], length [] -> [Hkv, S] f32 summed weights."""
+  """The second pass over K for 'weights' scores, `kernel` being `_weights_kernel` (summed over
+  the collected rows, r_rows None) or `_row_weights_kernel` (per row) with its static arguments.
+
+  q [Hkv, M, D], lse [Hkv, M], k [S, Hkv, D], length [] -> [Hkv, S] or [Hkv, S, R] f32.
+  """
   hkv, m_rows, d = q.shape
   s = k.shape[0]
   split_len = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
   p = pl.cdiv(s, split_len)
-  kernel = functools.partial(_weights_kernel, sm_scale=sm_scale, first_row=first_row,
-                             block_k=block_k, split_len=split_len)
+  if r_rows is None:
+    out_block, out_index = (None, s), lambda h, i: (h, 0)
+  else:
+    out_block, out_index = (None, s, r_rows), lambda h, i: (h, 0, 0)
   return pl.pallas_call(
-      kernel,
+      functools.partial(kernel, block_k=block_k, split_len=split_len),
       grid=(hkv, p),
       in_specs=[pl.BlockSpec((), lambda h, i: ()),
                 pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
                 pl.BlockSpec((None, m_rows), lambda h, i: (h, 0)),
                 pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))],
-      out_specs=pl.BlockSpec((None, s), lambda h, i: (h, 0)),
-      out_shape=jax.ShapeDtypeStruct((hkv, s), jnp.float32),
+      out_specs=pl.BlockSpec(out_block, out_index),
+      out_shape=jax.ShapeDtypeStruct((hkv,) + out_block[1:], jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"verify_attention_weights_g{g}_d{d}",
+      name=f"{name}_d{d}",
   )(length, q, lse, k)
 
 
@@ -292,15 +369,29 @@ def _weights_unbatched(q, lse, k, length, *, sm_scale, g, first_row, block_k, nu
 _QSUM_ROWS = 16   # the smallest row count tl.dot takes
 
 
+def _hi_lo(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """f32 x as a high and a low part in `dtype`: products with both, summed in f32, keep x's
+  product to about 2^-16 (bf16) where x rounded to bf16 alone would keep 2^-8."""
+  hi = x.astype(dtype)
+  return hi, (x - hi.astype(jnp.float32)).astype(dtype)
+
+
 def _summed_query(qp: jax.Array, row_idx: list[int], dtype) -> jax.Array:
-  """[B, Hkv, M, D] packed queries -> [B, Hkv, 16, D]: the collected rows' sum in f32, split into
-  a high (row 0) and low (row 1) part in `dtype`, so that the kernel's one bf16 product per key
-  gives the f32-exact sum of the rows' logits (q.k is linear in q) to about 2^-16."""
+  """[B, Hkv, M, D] packed queries -> [B, Hkv, 16, D]: the collected rows' sum in f32, its high
+  part in row 0 and low part in row 1 (q.k is linear in q: one product gives the rows' summed
+  logits)."""
   qsum = jnp.sum(qp[:, :, jnp.asarray(row_idx)].astype(jnp.float32), axis=2)   # [B, Hkv, D]
-  hi = qsum.astype(dtype)
-  lo = (qsum - hi.astype(jnp.float32)).astype(dtype)
-  parts = jnp.stack([hi, lo], axis=2)                                           # [B, Hkv, 2, D]
+  parts = jnp.stack(_hi_lo(qsum, dtype), axis=2)                                # [B, Hkv, 2, D]
   return jnp.pad(parts, ((0, 0), (0, 0), (0, _QSUM_ROWS - 2), (0, 0)))
+
+
+def _row_queries(qp: jax.Array, t: int, g: int, r_rows: int, dtype) -> jax.Array:
+  """[B, Hkv, M, D] packed queries -> [B, Hkv, 2R, D]: each query row's sum over its G heads,
+  high parts in rows 0..R-1 and low parts in rows R..2R-1 (zero past T)."""
+  b, hkv, _, d = qp.shape
+  rows = qp[:, :, :t * g].reshape(b, hkv, t, g, d).astype(jnp.float32).sum(axis=3)   # [B,Hkv,T,D]
+  pad = ((0, 0), (0, 0), (0, r_rows - t), (0, 0))
+  return jnp.concatenate([jnp.pad(x, pad) for x in _hi_lo(rows, dtype)], axis=2)
 
 
 def _pow2_rows(n: int) -> int:
@@ -334,17 +425,20 @@ def combine_splits(o, m, l):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "score_kind", "score_rows", "sm_scale", "interpret", "block_k", "num_splits", "num_warps",
-    "num_stages"))
+    "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
+    "num_warps", "num_stages"))
 def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      score_kind: str | None = None,
                      score_rows: tuple[int, ...] | None = (0, -1),
-                     sm_scale: float | None = None, interpret: bool = False,
-                     block_k: int | None = None, num_splits: int | None = None, num_warps: int = 4,
+                     sm_scale: float | None = None, per_row: bool = False,
+                     interpret: bool = False, block_k: int | None = None,
+                     num_splits: int | None = None, num_warps: int = 4,
                      num_stages: int = 3) -> tuple[jax.Array, jax.Array | None]:
   """Pallas flash-decoding verification attention; same contract as verify_attention_reference.
 
-  Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16 or None). Knobs: `block_k` keys per
+  Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16, [B,T,S] with `per_row`, or None).
+  Per-row 'logits' come from the main pass (each row's head-summed query, as for Collect-2);
+  per-row 'weights' from a second pass over K, like the collected 'weights'. Knobs: `block_k` keys per
   tile (power of two >= 16; default 128, or 64 with 'logits' scores at head_dim < 128, at most
   the cache length rounded down to a power of two), `num_splits` splits of the sequence per
   (sequence, KV head) (default: at most ~4 programs per SM), Triton's `num_warps` and
@@ -379,14 +473,33 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   common = dict(block_k=block_k, num_splits=splits, num_warps=num_warps,
                 num_stages=num_stages, interpret=interpret)
   row_idx = [] if rows is None else [r * g + i for r in rows for i in range(g)]   # packed rows
-  qsum = _summed_query(qp, row_idx, k.dtype) if score_kind == "logits" else None
+  r_rows = _pow2_rows(t)                                  # score columns in per-row mode
+  score_mode, qsum = None, None
+  if score_kind == "logits" and per_row:
+    score_mode, qsum = "rows", _row_queries(qp, t, g, r_rows, k.dtype)
+  elif score_kind == "logits":
+    score_mode, qsum = "sum", _summed_query(qp, row_idx, k.dtype)
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
-                                    **common))(qp, k, v, lengths, qsum)
+                                    score_mode=score_mode, **common))(qp, k, v, lengths, qsum)
   o, lse2 = combine_splits(*outs[:3])                   # [B,Hkv,M,D], [B,Hkv,M]
   out = o[:, :, :t * g].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
   out = out.astype(q.dtype)
   if score_kind is None:
     return out, None
+
+  if per_row:
+    if score_kind == "logits":
+      per_head = outs[3]                                # [B,Hkv,S,R]
+    else:
+      # Every row's weights need its final lse; padding rows get +inf, so they weigh 0.
+      lse_rows = jnp.where(jnp.arange(m_rows) < t * g, lse2, jnp.inf)
+      kernel = functools.partial(_row_weights_kernel, sm_scale=scale, t=t, g=g)
+      per_head = jax.vmap(functools.partial(
+          _weights_unbatched, kernel=kernel, name=f"verify_attention_row_weights_t{t}_g{g}",
+          r_rows=r_rows, **common))(qp, lse_rows, k, lengths)
+    mean = jnp.sum(per_head, axis=1)[:, :, :t].transpose(0, 2, 1) * (1.0 / hq)   # [B,T,S]
+    visible = jnp.arange(s)[None, None] <= (lengths[:, None] + jnp.arange(t))[:, :, None]
+    return out, jnp.where(visible, mean, NEG_INF).astype(jnp.bfloat16)
 
   if score_kind == "logits":
     per_head = outs[3]                                  # [B,Hkv,S]
@@ -397,8 +510,10 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     qc = jnp.pad(qp[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g), (0, 0)))
     lc = jnp.pad(lse2[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g)),
                  constant_values=jnp.inf)
-    per_head = jax.vmap(functools.partial(_weights_unbatched, sm_scale=scale, g=g,
-                                          first_row=rows[0], **common))(qc, lc, k, lengths)
+    kernel = functools.partial(_weights_kernel, sm_scale=scale, first_row=rows[0])
+    per_head = jax.vmap(functools.partial(
+        _weights_unbatched, kernel=kernel, name=f"verify_attention_weights_g{g}", r_rows=None,
+        **common))(qc, lc, k, lengths)
   seen_by_all = jnp.arange(s)[None] <= (lengths + rows[0])[:, None]
   mean = jnp.sum(per_head, axis=1) * (1.0 / (len(rows) * hq))
   scores = jnp.where(seen_by_all, mean, NEG_INF).astype(jnp.bfloat16)

@@ -60,17 +60,26 @@ VERIFY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("t,hq,hkv,d,kind,rows,knobs", VERIFY_CASES)
-def test_verify_attention(t, hq, hkv, d, kind, rows, knobs):
-  b, s = 4, 80   # 80: not a multiple of the blocks; lengths hit 0, 1, odd and S - T
+_B, _S = 4, 80   # S: not a multiple of the blocks; the lengths hit 0, 1, odd and S - T
+
+
+def _verify_both(t, hq, hkv, d, knobs, **opts):
+  """Kernel (on a cache poisoned past what the rows see) and reference on fresh inputs."""
+  b, s = _B, _S
   q = _normal((b, t, hq, d))
   k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
   lengths = _lengths(b, s, t)
   seen = np.arange(s)[None] < (lengths + t)[:, None]
-  out, scores = va.verify_attention(q, _poison(k, seen), _poison(v, seen), jnp.asarray(lengths),
-                                    score_kind=kind, score_rows=rows, interpret=True, **knobs)
-  ref, ref_scores = va.verify_attention_reference(q, k, v, jnp.asarray(lengths),
-                                                  score_kind=kind, score_rows=rows)
+  got = va.verify_attention(q, _poison(k, seen), _poison(v, seen), jnp.asarray(lengths),
+                            interpret=True, **opts, **knobs)
+  return q, got, va.verify_attention_reference(q, k, v, jnp.asarray(lengths), **opts)
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,kind,rows,knobs", VERIFY_CASES)
+def test_verify_attention(t, hq, hkv, d, kind, rows, knobs):
+  q, (out, scores), (ref, ref_scores) = _verify_both(t, hq, hkv, d, knobs, score_kind=kind,
+                                                     score_rows=rows)
+  b, s = _B, _S
   assert out.shape == q.shape and out.dtype == q.dtype
   assert not np.isnan(np.asarray(out, np.float32)).any()
   assert _rel_err(out, ref) < 1e-2
@@ -98,6 +107,68 @@ def test_verify_attention(t, hq, hkv, d, kind, rows, knobs):
     assert set(got) == set(np.flatnonzero(fin[i])[order[:kk]])
 
 
+PER_ROW_CASES = [
+    # T, Hq, Hkv, D, score_kind, knobs
+    (1, 8, 2, 128, "logits", dict(block_k=16, num_splits=3)),     # GQA 4, one row
+    (7, 7, 1, 64, "logits", dict(block_k=32, num_splits=2)),      # GQA 7
+    (12, 2, 2, 64, "logits", dict(block_k=16, num_splits=4)),     # GQA 1, T = 12
+    (12, 4, 1, 128, "weights", dict(block_k=16, num_splits=3)),
+    (2, 2, 2, 64, "weights", dict(block_k=16, num_splits=4)),
+    (7, 14, 2, 64, "weights", {}),                                # GQA 7, default knobs
+]
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,kind,knobs", PER_ROW_CASES)
+def test_verify_attention_per_row_scores(t, hq, hkv, d, kind, knobs):
+  _, (out, scores), (ref, ref_scores) = _verify_both(t, hq, hkv, d, knobs, score_kind=kind,
+                                                     per_row=True)
+  assert _rel_err(out, ref) < 1e-2
+  assert scores.shape == (_B, t, _S) and scores.dtype == jnp.bfloat16
+  sc, rs = np.asarray(scores, np.float32), np.asarray(ref_scores, np.float32)
+  assert not np.isnan(sc).any()
+  np.testing.assert_array_equal(np.isinf(sc), np.isinf(rs))     # -inf exactly where unseen
+  fin = np.isfinite(rs)
+  np.testing.assert_allclose(sc[fin], rs[fin], rtol=2e-2, atol=2e-2 * np.abs(rs[fin]).max())
+
+
+def test_per_row_weights_survive_a_huge_logit_on_a_later_key():
+  """A key only a later row sees, with a logit far above what an earlier row's log-sum-exp covers:
+  its weight for that earlier row overflows unless the kernel masks it, and an inf there would
+  turn the later row's weight for the same key into NaN."""
+  b, s, t, hq, hkv, d = 2, 48, 3, 4, 2, 64
+  q = _normal((b, t, hq, d)) * 0.1
+  k, v = _normal((b, s, hkv, d)) * 0.1, _normal((b, s, hkv, d))
+  lengths = jnp.array([5, 30], jnp.int32)
+  hot = lengths + 1                                 # seen by rows 1 and 2, not by row 0
+  k = k.at[jnp.arange(b), hot].set(8.0)
+  q = q.at[:, 0].set(8.0)                           # row 0's logit there: 4096 / 8 = 512 nats
+  _, sc = va.verify_attention(q, k, v, lengths, score_kind="weights", per_row=True,
+                              interpret=True, block_k=16, num_splits=2)
+  _, rs = va.verify_attention_reference(q, k, v, lengths, score_kind="weights", per_row=True)
+  sc, rs = np.asarray(sc, np.float32), np.asarray(rs, np.float32)
+  assert not np.isnan(sc).any()
+  np.testing.assert_array_equal(np.isinf(sc), np.isinf(rs))
+  fin = np.isfinite(rs)
+  np.testing.assert_allclose(sc[fin], rs[fin], rtol=2e-2, atol=2e-2)
+
+
+def test_reference_per_row_scores_are_each_row_alone():
+  """Row t of the per-row dump is what the single-row reference gives for query t at lengths + t:
+  the semantics the policies keyed on the last accepted token rely on."""
+  b, s, t, hq, hkv, d = 3, 50, 5, 4, 2, 64
+  q, k, v = _normal((b, t, hq, d)), _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
+  lengths = jnp.array([0, 17, s - t], jnp.int32)
+  for kind in ("logits", "weights"):
+    _, rows = va.verify_attention_reference(q, k, v, lengths, score_kind=kind, per_row=True)
+    for i in range(t):
+      _, one = va.verify_attention_reference(q[:, i:i + 1], k, v, lengths + i, score_kind=kind,
+                                             score_rows=(0,))
+      a, r = np.asarray(rows[:, i], np.float32), np.asarray(one, np.float32)
+      np.testing.assert_array_equal(np.isinf(a), np.isinf(r))
+      fin = np.isfinite(r)
+      np.testing.assert_allclose(a[fin], r[fin], rtol=1e-2, atol=1e-2 * np.abs(r[fin]).max())
+
+
 def test_summed_query_high_low_parts_keep_the_f32_sum():
   """The score path's summed query: high + low bf16 parts give the f32 row sum to ~2^-16, where
   the high part alone is off by up to 2^-9 (the test fails if the low part is dropped)."""
@@ -120,7 +191,7 @@ def test_verify_partials_fully_written():
   lengths = jnp.array([0, 22, s - t], jnp.int32)
   qsum = va._summed_query(q, [r * g + i for r in (0, 2) for i in range(g)], k.dtype)
   fn = functools.partial(va._verify_unbatched, sm_scale=0.1, t=t, g=g, block_k=16, num_splits=3,
-                         num_warps=4, num_stages=2, interpret=True)
+                         score_mode="sum", num_warps=4, num_stages=2, interpret=True)
   o, m, l, part = jax.vmap(fn)(q, k, v, lengths, qsum)
   for x in (o, m, l):
     assert not np.isnan(np.asarray(x)).any()
