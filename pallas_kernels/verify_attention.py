@@ -52,8 +52,9 @@ Kernel (`verify_attention`), flash-decoding:
     at head_dim 128), 64 with 'logits' scores at head_dim 64.
 
 Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`), chosen by measurement: on an
-H100 this kernel streams the Qwen3-8B cache at 100-103% of the device-copy rate (T = 1 decode: 712
-us, torch SDPA / cuDNN 711 us; T = 8: 733 us, 3.6x torch SDPA), so a Mosaic GPU (TMA + wgmma) port
+H100 this kernel streams the Qwen3-8B cache at 100-103% of XLA's copy rate (T = 1 decode: 712 us,
+torch SDPA / cuDNN 711 us; T = 8: 733 us, 3.6x torch SDPA), and on an H200 at 101% of torch's
+faster copy (T = 1, B = 4 x 131072 at 16 splits: 498.5 us, cuDNN 491.2), so a Mosaic GPU port
 has at most the few percent that a read-only stream gets over a copy left to win; Mosaic GPU has no
 row gather on Hopper, which `sparse_attention` needs, and one backend for the three kernels keeps
 the code and the interpret-mode tests uniform. The Triton lowering is deprecated from jax 0.11 (a
