@@ -104,7 +104,7 @@ def main(argv):
   loaded = load_model(_MODEL.value, dtype=dtype)
   tok = loaded.tokenizer
   prompts, rows = load_prompts(tok, _DATA.value, _NUM_PROMPTS.value, _MAX_PROMPT.value)
-  stop_ids = set(loaded.cfg.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+  stop_ids = loaded.stop_ids
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   settings = dict(model=_MODEL.value, dtype=_DTYPE.value, num_prompts=len(prompts), problem_rows=rows,
                   prompt_tokens=[len(p) for p in prompts], max_new_tokens=_MAX_NEW.value,
@@ -121,7 +121,7 @@ def main(argv):
     # method is lossless), an agreement rate in bfloat16 where rounding differs between the
     # one-token and the (gamma + 1)-token forward passes.
     vanilla, vstats = generate(loaded.model, prompts, max_new_tokens=_MAX_NEW.value,
-                               stop_ids=tuple(stop_ids), cache_dtype=dtype)
+                               stop_ids=stop_ids, cache_dtype=dtype)
     settings["vanilla_decode_tokens_per_s"] = vstats.decode_tokens_per_s
   results = []
   for method in _METHODS.value:
@@ -129,7 +129,7 @@ def main(argv):
     outputs, stats = speculative_generate(
         loaded.model, prompts, method=method, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
         min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, max_new_tokens=_MAX_NEW.value,
-        sampling=sampling, stop_ids=tuple(stop_ids), seed=_SEED.value, chunk_rounds=_CHUNK.value,
+        sampling=sampling, stop_ids=stop_ids, seed=_SEED.value, chunk_rounds=_CHUNK.value,
         cache_dtype=dtype)
     row = dict(stats.extra, new_tokens=stats.new_tokens, rounds=stats.rounds,
                prefill_s=stats.prefill_s, decode_s=stats.decode_s, decode_tokens_per_s=stats.decode_tokens_per_s,

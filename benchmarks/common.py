@@ -72,7 +72,7 @@ def copy_rates(nbytes: int = 4 << 30, chain: int = 10) -> dict[str, float]:
   'xla_copy': a jitted jnp.copy (a device-to-device memcpy where XLA emits one; dropped if XLA
   returned the input buffer); 'torch_copy': torch.Tensor.copy_ on the GPU where torch is
   installed. On an H200 the elementwise kernel reached 3258 GB/s and torch's copy 4245 GB/s, so
-  the best of them, not the first, is the ceiling (`copy_bandwidth`). `chain` back-to-back
+  the best of them, not the first, is the ceiling (`copy_ceiling`). `chain` back-to-back
   launches per timed call, so host dispatch (tens of microseconds) does not dilute ~1 ms copies.
   """
   if jax.default_backend() == "cpu":   # a smoke run: keep the buffers small
@@ -113,9 +113,10 @@ def copy_rates(nbytes: int = 4 << 30, chain: int = 10) -> dict[str, float]:
   return rates
 
 
-def copy_bandwidth(nbytes: int = 4 << 30, chain: int = 10) -> float:
-  """The device's copy ceiling in bytes/s: the best of `copy_rates`."""
-  return max(copy_rates(nbytes, chain).values())
+def copy_ceiling(nbytes: int = 4 << 30, chain: int = 10) -> tuple[float, dict[str, float]]:
+  """(the device's copy ceiling in bytes/s: the best of `copy_rates`, every rate in GB/s)."""
+  rates = copy_rates(nbytes, chain)
+  return max(rates.values()), {k: v / 1e9 for k, v in rates.items()}
 
 
 def kernel_table(fn: Callable[[], object], *, top: int = 25) -> dict:

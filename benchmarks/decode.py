@@ -17,7 +17,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from benchmarks.common import (copy_rates, device_name, filled_state, git_commit, load,
+from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit, load,
                                time_fn, write_json)
 from jaxspec.attention import default_backend
 from jaxspec.decode import decode_chunk
@@ -40,8 +40,7 @@ def main(argv):
   graphdef, params = nnx.split(model)
   weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
   backend = _BACKEND.value or default_backend()
-  rates = copy_rates()
-  bw = max(rates.values())
+  bw, rates_gbps = copy_ceiling()
   print(f"{device_name()} | copy {bw / 1e9:.0f} GB/s | {_MODEL.value} ({weights}, "
         f"{weight_bytes / 1e9:.2f} GB) | backend {backend}", file=sys.stderr)
   rows = []
@@ -74,7 +73,7 @@ def main(argv):
       print(row, file=sys.stderr)
   write_json(_OUT.value, dict(device=device_name(), commit=git_commit(), model=_MODEL.value,
                               weights=weights, backend=backend, copy_gbps=bw / 1e9,
-                              copy_rates_gbps={k: v / 1e9 for k, v in rates.items()}, rows=rows))
+                              copy_rates_gbps=rates_gbps, rows=rows))
   print(f"\n{'B':>4} {'ctx':>7} {'step ms':>9} {'tok/s':>9} {'GB/s':>7} {'floor ms':>9} {'x floor':>8}")
   for r in rows:
     if "error" in r:

@@ -25,7 +25,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import copy_rates, device_name, git_commit, write_json
+from benchmarks.common import copy_ceiling, device_name, git_commit, write_json
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 from pallas_kernels.sparse_attention import sparse_attention_reference
@@ -320,10 +320,9 @@ def copy_case():
   """The copy ceiling: the best of XLA's and torch's device copies (common.copy_rates)."""
   global COPY_BPS
   n = (2 << 30) // FLAGS.shrink
-  rates = copy_rates(n, chain=1)
-  COPY_BPS = max(rates.values())
-  for impl, bps in rates.items():
-    record("copy 2 GiB (read+write)", impl, 2 * n / bps, 2 * n)
+  COPY_BPS, rates_gbps = copy_ceiling(n, chain=1)
+  for impl, gbps in rates_gbps.items():
+    record("copy 2 GiB (read+write)", impl, 2 * n / (gbps * 1e9), 2 * n)
 
 
 @guarded

@@ -26,12 +26,13 @@ class Engine:
     self.sampling, self.stop_ids, self.backend = sampling, stop_ids, backend
     self.max_len = capacity_len
     self.spare = gamma + 1 if method != "none" else 1
+    self.capacity = decode.make_batch([[0]], 1, capacity_len, spare=self.spare).capacity
     self.config = None
     if method != "none":
-      cap = decode.make_batch([[0]], 1, capacity_len, spare=self.spare).capacity
       policy = selection.make_policy(
           method, ratio=sparsity, min_tokens=min_tokens,
-          k_max=selection.static_k_max(cap, sparsity, min_tokens), score_kind=score_kind)
+          k_max=selection.static_k_max(self.capacity, sparsity, min_tokens),
+          score_kind=score_kind)
       self.config = speculative.SpecConfig(policy=policy, gamma=gamma, sampling=sampling,
                                            stop_ids=stop_ids, backend=backend)
 
@@ -54,15 +55,18 @@ class Engine:
     return speculative.speculative_chunk(self.graphdef, self.params, state, rounds=rounds,
                                          config=self.config)
 
+  def _decode_state(self, state):
+    return state if self.config is None else state.decode
+
   def progress(self, state):
     """(num_new [B], done [B], accept histogram summed over slots or None)."""
-    ds = state if self.config is None else state.decode
+    ds = self._decode_state(state)
     hist = None if self.config is None else state.accept_hist.sum(0)
     return jax.device_get((ds.num_new, ds.done, hist))
 
   def new_tokens(self, state, slot: int) -> np.ndarray:
     """The tokens slot `slot` has generated so far."""
-    ds = state if self.config is None else state.decode
+    ds = self._decode_state(state)
     num_new, tokens = jax.device_get((ds.num_new[slot], ds.tokens[slot]))
     return tokens[:num_new]
 

@@ -96,7 +96,7 @@ def main(argv):
     prompts = workloads.short_prompts(tok, _REQUESTS.value)
   else:
     prompts = workloads.long_prompts(tok, _REQUESTS.value, _PROMPT_MIN.value, _PROMPT_MAX.value)
-  stop_ids = tuple(sorted(set(loaded.cfg.eos_token_ids) | {tok.eos_token_id} - {None}))
+  stop_ids = loaded.stop_ids
   if _IGNORE_EOS.value:
     stop_ids = ()
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)

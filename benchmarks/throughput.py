@@ -29,10 +29,10 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks import workloads
-from benchmarks.common import (copy_rates, device_name, filled_state, git_commit,
+from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit,
                                kernel_table, load, time_fn, write_json)
 from benchmarks.serving import Engine, serve
-from jaxspec import decode, speculative
+from jaxspec import speculative
 from jaxspec.attention import default_backend
 from jaxspec.sampling import SamplingParams
 
@@ -68,23 +68,26 @@ _PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existi
 _OUT = flags.DEFINE_string("out", None, "JSON path (default benchmarks/out/throughput_<workload>.json)")
 
 
-def gamma_for(entry: str) -> int:
-  """--gammas lookup: the entry itself (e.g. 'vegas@0.05'), then its method, then 'default'."""
-  table = dict(item.split("=") for item in _GAMMAS.value)
-  method = entry.partition("@")[0]
-  return int(table.get(entry, table.get(method, table.get("default", 4))))
-
-
-def parse_entry(entry: str) -> tuple[str, float]:
-  """A --methods entry: 'vegas' runs at --sparsity, 'vegas@0.05' at its own ratio."""
+def parse_entry(entry: str) -> tuple[str, float, int]:
+  """A --methods entry -> (method, ratio, gamma). 'vegas' runs at --sparsity, 'vegas@0.05' at its
+  own ratio; gamma from --gammas: the entry itself, then its method, then 'default'."""
   method, _, ratio = entry.partition("@")
-  return method, float(ratio) if ratio else _SPARSITY.value
+  table = dict(item.split("=") for item in _GAMMAS.value)
+  gamma = int(table.get(entry, table.get(method, table.get("default", 4))))
+  return method, float(ratio) if ratio else _SPARSITY.value, gamma
+
+
+def phase_times(eng: Engine, state):
+  """(state, draft / verify / select seconds per round and shares) over 4 rounds of `state`."""
+  state, phases = speculative.time_phases(eng.graphdef, eng.params, state, eng.config, rounds=4,
+                                          warmup=1)
+  return state, {k: v for k, v in phases.items() if k.endswith(("_share", "_per_round"))}
 
 
 def scale_state(eng: Engine, cfg, batch: int, context: int, steps_total: int):
   """A state whose cache holds `context` random tokens per sequence; for speculative methods the
   policy's first Selection, from random stand-in scores (random like the weights)."""
-  cap = decode.make_batch([[0]], 1, eng.max_len, spare=eng.spare).capacity
+  cap = eng.capacity
   ds = filled_state(cfg, batch, context, cap, steps_total)
   if eng.config is None:
     return ds
@@ -102,7 +105,7 @@ def scale_run(model, methods, batch: int, context: int, sampling: SamplingParams
   rows = []
   steps = 8
   for entry in methods:
-    (method, ratio), g = parse_entry(entry), gamma_for(entry)
+    method, ratio, g = parse_entry(entry)
     eng = Engine(model, method, g, sampling, (), context + 64 * (g + 1), backend,
                  sparsity=ratio, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
     try:
@@ -120,9 +123,7 @@ def scale_run(model, methods, batch: int, context: int, sampling: SamplingParams
         row["trace"] = kernel_table(run)
         row["trace"]["per"] = f"one chunk of {steps} rounds"
       if eng.config is not None:
-        holder[0], phases = speculative.time_phases(eng.graphdef, eng.params, holder[0],
-                                                    eng.config, rounds=4, warmup=1)
-        row["phases"] = {k: v for k, v in phases.items() if k.endswith(("_share", "_per_round"))}
+        holder[0], row["phases"] = phase_times(eng, holder[0])
       rows.append(row)
       holder = None  # free this cache before the next method
     except Exception as e:
@@ -172,9 +173,8 @@ def main(argv):
                 min_tokens=_MIN_TOKENS.value, backend=backend, argv=" ".join(sys.argv))
   if _WORKLOAD.value == "scale":
     model, _ = load(_MODEL.value)
-    rates = copy_rates()
-    header.update(copy_gbps=max(rates.values()) / 1e9,
-                  copy_rates_gbps={k: v / 1e9 for k, v in rates.items()})
+    bw, rates_gbps = copy_ceiling()
+    header.update(copy_gbps=bw / 1e9, copy_rates_gbps=rates_gbps)
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
     rows = scale_run(model, _METHODS.value, _BATCH.value, _CONTEXT.value, sampling, backend)
     write_json(out_path, dict(header, rows=rows))
@@ -189,15 +189,15 @@ def main(argv):
     max_new = _MAX_NEW.value or 1024
     prompts = workloads.long_prompts(tok, _REQUESTS.value, _PROMPT_MIN.value, _PROMPT_MAX.value,
                                      _SEED.value)
-  stop_ids = tuple(sorted(set(loaded.cfg.eos_token_ids) | {tok.eos_token_id} - {None}))
+  stop_ids = loaded.stop_ids
   if _IGNORE_EOS.value:
     stop_ids = ()
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   capacity_len = max(len(p) for p in prompts) + max_new
   rows = []
   for entry in _METHODS.value:
-    method, ratio = parse_entry(entry)
-    eng = Engine(loaded.model, method, gamma_for(entry), sampling, stop_ids, capacity_len, backend,
+    method, ratio, g = parse_entry(entry)
+    eng = Engine(loaded.model, method, g, sampling, stop_ids, capacity_len, backend,
                  sparsity=ratio, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
     try:
       row, state = serve(eng, prompts, _BATCH.value, max_new, chunk=_CHUNK.value,
@@ -205,9 +205,7 @@ def main(argv):
       row.update(method=entry, sparsity=ratio)
       if _PROFILE.value and eng.config is not None:
         # Phase shares on the serving batch as it stands at the end (steady state, mixed lengths).
-        _, phases = speculative.time_phases(eng.graphdef, eng.params, state, eng.config,
-                                            rounds=4, warmup=1)
-        row["phases"] = {k: v for k, v in phases.items() if k.endswith(("_share", "_per_round"))}
+        _, row["phases"] = phase_times(eng, state)
       state = None
     except Exception as e:
       row = dict(method=entry, error=f"{type(e).__name__}: {str(e)[:500]}")

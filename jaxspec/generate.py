@@ -115,11 +115,9 @@ def main(argv):
     fail(f"{loaded.source} has no tokenizer files; convert it from a source that has one")
   texts = [apply_chat_template(tok, p) for p in prompts] if _CHAT.value else prompts
   ids = [tok.encode(t, add_special_tokens=not _CHAT.value) for t in texts]
-  stop_ids = set(loaded.cfg.eos_token_ids)
-  if tok.eos_token_id is not None:
-    stop_ids.add(tok.eos_token_id)
-  streamer = TextStreamer(tok, len(ids), stop_ids)
-  common = dict(max_new_tokens=_MAX_NEW.value, sampling=sampling, stop_ids=tuple(stop_ids),
+  stop_ids = loaded.stop_ids
+  streamer = TextStreamer(tok, len(ids), set(stop_ids))
+  common = dict(max_new_tokens=_MAX_NEW.value, sampling=sampling, stop_ids=stop_ids,
                 seed=_SEED.value, max_len=_MAX_LEN.value, cache_dtype=dtype, on_chunk=streamer)
   try:
     if _METHOD.value == "none":

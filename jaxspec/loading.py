@@ -31,6 +31,12 @@ class LoadedModel:
   tokenizer: PreTrainedTokenizerBase | None   # None for a source that ships no tokenizer files
   source: Path
 
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """End-of-sequence ids: the config's and the tokenizer's, sorted."""
+    tok_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+    return tuple(sorted(set(self.cfg.eos_token_ids) | ({tok_eos} - {None})))
+
 
 def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False) -> LoadedModel:
   """Config, filled model at `dtype` and tokenizer for `spec` (see the module docstring)."""

@@ -59,6 +59,7 @@ from jaxspec import pages
 from jaxspec.attention import AttentionPlan
 from jaxspec.kv_cache import KVCache
 from pallas_kernels import topk_select as _topk
+from pallas_kernels.topk_select import budget  # re-exported: the policies and tests use it here
 
 METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
 SCORE_KINDS = ("logits", "weights")
@@ -78,11 +79,6 @@ class Selection:
 def static_k_max(capacity: int, ratio: float, min_tokens: int) -> int:
   """Static size of the index buffers: the largest budget any prefix length <= capacity needs."""
   return max(1, min(capacity, max(min_tokens, math.ceil(ratio * capacity))))
-
-
-def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
-  """Tokens to keep per sequence: clamp(ceil(ratio * len), min_tokens, len), at most k_max."""
-  return _topk.budget(lengths, ratio, min_tokens, k_max)
 
 
 def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_tokens: int,
@@ -164,8 +160,6 @@ class Vegas(SelectionPolicy):
                          score_rows=self.score_rows)
 
   def select_kv(self, cache, scores, first_row, accepted, backend):
-    if scores.ndim == 4:   # never for vegas; guard against a mismatched verify plan
-      raise ValueError("vegas expects row-averaged scores [L, B, S]")
     prefix = first_row + 1
     idx, cnt = per_layer_topk(scores, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
                               k_max=self.k_max)

@@ -192,11 +192,8 @@ def speculative_prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.A
                         cache_dtype, config: SpecConfig) -> SpecState:
   """Prefill, first token, and the first round's Selection (from the prefill's last-token scores
   for score-based policies: see `jaxspec.selection`)."""
-  ds, scores = _prefill_with_scores(
-      graphdef, params, prompts, prompt_lens, max_new, key, capacity=capacity,
-      max_new_buffer=max_new_buffer, sampling=config.sampling, stop_ids=config.stop_ids,
-      backend=config.backend, cache_dtype=cache_dtype, reserve=config.gamma + 1,
-      score_kind=config.policy.prefill_score_kind)
+  ds, scores = _prefill_with_scores(graphdef, params, prompts, prompt_lens, max_new, key,
+                                    **_prefill_static(capacity, max_new_buffer, config, cache_dtype))
   return first_selection(ds, scores, config=config)
 
 
@@ -256,9 +253,9 @@ def _setup(model, prompts, *, method, gamma, sparsity, min_tokens, score_kind, m
   return batch, config
 
 
-def _prefill_static(batch, config, cache_dtype) -> dict:
-  """The static arguments of `_prefill_with_scores` for a batch and config."""
-  return dict(capacity=batch.capacity, max_new_buffer=batch.max_new_buffer,
+def _prefill_static(capacity, max_new_buffer, config, cache_dtype) -> dict:
+  """The static arguments of `_prefill_with_scores`."""
+  return dict(capacity=capacity, max_new_buffer=max_new_buffer,
               sampling=config.sampling, stop_ids=config.stop_ids, backend=config.backend,
               cache_dtype=cache_dtype, reserve=config.gamma + 1,
               score_kind=config.policy.prefill_score_kind)
@@ -292,22 +289,23 @@ def speculative_generate(model: Transformer, prompts: list[list[int]], *, method
   stats.extra: method, gamma, mean_accepted_tokens (per round, incl. the corrected/bonus token),
   acceptance_by_position (list of gamma floats), verify_rounds (sequence-rounds counted).
   """
-  _validate(method, gamma, sparsity, min_tokens, score_kind, chunk_rounds)
-  if method == "none":
+  if method == "none":   # every other method is validated by _setup
+    _validate(method, gamma, sparsity, min_tokens, score_kind, chunk_rounds)
     return decode.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                            stop_ids=stop_ids, seed=seed, max_len=max_len, chunk=chunk_rounds,
                            cache_dtype=cache_dtype, backend=backend, on_chunk=on_chunk)
   batch, config = _setup(model, prompts, method=method, gamma=gamma, sparsity=sparsity,
                          min_tokens=min_tokens, score_kind=score_kind,
                          max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                         max_len=max_len, backend=backend)
+                         max_len=max_len, backend=backend, chunk_rounds=chunk_rounds)
   graphdef, params = nnx.split(model)
   stats = GenerationStats(prompt_tokens=int(batch.prompt_lens.sum()))
   # Everything is compiled ahead of time (and cached) so that prefill_s and decode_s exclude it.
   prefill_args = (params, jnp.asarray(batch.prompts), jnp.asarray(batch.prompt_lens),
                   jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
   run_prefill, stats.compile_s = decode.compile_timed(
-      _prefill_with_scores, graphdef, *prefill_args, **_prefill_static(batch, config, cache_dtype))
+      _prefill_with_scores, graphdef, *prefill_args,
+      **_prefill_static(batch.capacity, batch.max_new_buffer, config, cache_dtype))
   t0 = time.perf_counter()
   ds, scores = jax.block_until_ready(run_prefill(*prefill_args))
   stats.prefill_s = time.perf_counter() - t0

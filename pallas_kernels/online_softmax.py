@@ -24,6 +24,11 @@ def dot(a: jax.Array, b: jax.Array) -> jax.Array:
   return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a [M, K] @ b [N, K]^T with f32 accumulation."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def init(m_rows: int, d: int) -> State:
   """The state before any block: acc = 0, m = MAX_INIT, l = 0."""
   return (jnp.zeros((m_rows, d), jnp.float32), jnp.full((m_rows,), MAX_INIT, jnp.float32),

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import online_softmax
-from pallas_kernels.verify_attention import NEG_INF, _dot_t, _pow2_rows, combine_splits
+from pallas_kernels.verify_attention import NEG_INF, _pow2_rows, combine_splits
 from pallas_kernels.verify_attention import default_splits
 
 
@@ -121,7 +121,7 @@ def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_r
   cols_d = jnp.arange(d)
 
   def update(carry, k, v, visible):
-    s = _dot_t(q, k) * qk_scale          # [M, bk]
+    s = online_softmax.dot_t(q, k) * qk_scale          # [M, bk]
     if visible is not None:
       s = jnp.where(visible, s, NEG_INF)
     return online_softmax.update(carry, s, v)

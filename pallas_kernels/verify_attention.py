@@ -135,9 +135,11 @@ def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = Non
 # ----------------------------------------------------------------------------------------------
 # Kernels
 
-def _dot_t(a, b):
-  """a [M, K] @ b[N, K]^T with f32 accumulation."""
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+def _hi_lo(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """f32 x as a high and a low part in `dtype`: products with both, summed in f32, keep x's
+  product to about 2^-16 (bf16) where x rounded to bf16 alone would keep 2^-8."""
+  hi = x.astype(dtype)
+  return hi, (x - hi.astype(jnp.float32)).astype(dtype)
 
 
 def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, g: int,
@@ -190,18 +192,18 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     if score_mode == "sum":
       # k [bk, D] @ qsum^T: keys on the rows of the product, so the hi + lo sum stays inside a
       # warp; summing the collected rows of q.k^T instead spans all warps (2-3x dearer, H200).
-      partial = jnp.sum(_dot_t(k, qsum), axis=1)                   # [bk]
+      partial = jnp.sum(online_softmax.dot_t(k, qsum), axis=1)                   # [bk]
       if masked:
         plgpu.store(score_ref.at[pl.ds(j0, block_k)], partial, mask=live)
       else:
         score_ref[pl.ds(j0, block_k)] = partial
     elif score_mode == "rows":
-      partial = _dot_t(k, q_hi) + _dot_t(k, q_lo)                  # [bk, R], keys on the rows
+      partial = online_softmax.dot_t(k, q_hi) + online_softmax.dot_t(k, q_lo)                  # [bk, R], keys on the rows
       if masked:
         plgpu.store(score_ref.at[pl.ds(j0, block_k), :], partial, mask=live[:, None])
       else:
         score_ref[pl.ds(j0, block_k), :] = partial
-    s = _dot_t(q, k) * qk_scale                                      # [M, bk] f32
+    s = online_softmax.dot_t(q, k) * qk_scale                                      # [M, bk] f32
     if masked:
       s = jnp.where(cols[None, :] <= length + row_t[:, None], s, NEG_INF)
     return online_softmax.update(carry, s, v)
@@ -237,7 +239,7 @@ def _weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float, f
     j0 = start + i * block_k
     live = j0 + jnp.arange(block_k) < end
     k = plgpu.load(k_ref.at[pl.ds(j0, block_k), :], mask=live[:, None], other=0.)
-    qk = _dot_t(q, k)
+    qk = online_softmax.dot_t(q, k)
     w = jnp.sum(jnp.exp2(qk * qk_scale - lse[:, None]), axis=0)
     plgpu.store(w_ref.at[pl.ds(j0, block_k)], w, mask=live)
     return _
@@ -272,12 +274,11 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: floa
     cols = j0 + jnp.arange(block_k)
     live = cols < end
     k = plgpu.load(k_ref.at[pl.ds(j0, block_k), :], mask=live[:, None], other=0.)
-    s = _dot_t(k, q) * qk_scale - lse[None, :]                      # [bk, M]
+    s = online_softmax.dot_t(k, q) * qk_scale - lse[None, :]                      # [bk, M]
     # Zero the keys a row does not see: the -inf they get is applied later, but their exp is
     # unbounded, and an inf times another row's 0 in the group product below would be NaN.
     p = jnp.where(cols[:, None] <= length + row_t[None, :], jnp.exp2(s), 0.)
-    p_hi = p.astype(q.dtype)                                         # bf16 high + low parts:
-    p_lo = (p - p_hi.astype(jnp.float32)).astype(q.dtype)            # the sum keeps ~2^-16
+    p_hi, p_lo = _hi_lo(p, q.dtype)
     w = online_softmax.dot(p_hi, group) + online_softmax.dot(p_lo, group)   # [bk, R]
     plgpu.store(w_ref.at[pl.ds(j0, block_k), :], w, mask=live[:, None])
     return _
@@ -368,13 +369,6 @@ def _weights_unbatched(q, lse, k, length, *, kernel, name, r_rows, block_k, num_
 # Public function
 
 _QSUM_ROWS = 16   # the smallest row count tl.dot takes
-
-
-def _hi_lo(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-  """f32 x as a high and a low part in `dtype`: products with both, summed in f32, keep x's
-  product to about 2^-16 (bf16) where x rounded to bf16 alone would keep 2^-8."""
-  hi = x.astype(dtype)
-  return hi, (x - hi.astype(jnp.float32)).astype(dtype)
 
 
 def _summed_query(qp: jax.Array, row_idx: list[int], dtype) -> jax.Array:
