@@ -120,7 +120,7 @@ def scale_run(model, methods, batch: int, context: int, sampling: SamplingParams
                  note="random weights: acceptance meaningless; ms per step (none) or per "
                       "draft+verify round")
       if _TRACE.value:
-        row["trace"] = kernel_table(run)
+        row["trace"] = kernel_table(run, top=60)
         row["trace"]["per"] = f"one chunk of {steps} rounds"
       if eng.config is not None:
         holder[0], row["phases"] = phase_times(eng, holder[0])
