@@ -41,8 +41,9 @@ flags.DEFINE_integer("batches", 7, "timed batches per measurement (median report
 flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
-flags.DEFINE_enum("plan", "full", ["full", "followup"],
-                  "full: every case of issue 3; followup: the re-measurements after the first run")
+flags.DEFINE_enum("plan", "full", ["full", "followup", "scores"],
+                  "full: every case of issue 3; followup: the re-measurements after the first run; "
+                  "scores: split count and block_k of the scored verification kernel")
 flags.DEFINE_list("check_groups", ["verify", "sparse", "topk"], "kernel groups --check runs")
 flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
 
@@ -325,6 +326,12 @@ def copy_case():
     record("copy 2 GiB (read+write)", impl, 2 * n / (gbps * 1e9), 2 * n)
 
 
+# score mode -> verify_attention's (score_kind, score_rows, per_row)
+MODES = {"off": (None, (0, -1), False), "collect2": ("logits", (0, -1), False),
+         "collect2-weights": ("weights", (0, -1), False), "allrows": ("logits", None, False),
+         "perrow-logits": ("logits", None, True), "perrow-weights": ("weights", None, True)}
+
+
 @guarded
 def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(), chain=False):
   hq, hkv, d = MODELS[model]
@@ -335,22 +342,23 @@ def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(
   base = kv_bytes(b * s, hkv, d)
   name = f"{'decode' if t == 1 else 'verify'} {model} B{b}xL{s} T{t}"
   for mode in modes:
-    kind, rows, per_row = {"off": (None, (0, -1), False), "collect2": ("logits", (0, -1), False),
-                           "collect2-weights": ("weights", (0, -1), False),
-                           "allrows": ("logits", None, False),
-                           "perrow-logits": ("logits", None, True),
-                           "perrow-weights": ("weights", None, True)}[mode]
+    kind, rows, per_row = MODES[mode]
     nbytes = base + (b * s * 2 * (t if per_row else 1) if kind else 0)
     fn = functools.partial(verify_attention, score_kind=kind, score_rows=rows, per_row=per_row)
     record(name, f"pallas scores={mode}", lambda fn=fn: time_jax(fn, qs), nbytes, mode=mode)
     if chain:
       record(name, f"pallas scores={mode} [chained]", lambda fn=fn: time_chain(fn, qs[0]), nbytes,
              mode=mode, timing="chained")
-  for knobs in variants:
-    fn = functools.partial(verify_attention, **knobs)
-    record(name, "pallas " + ",".join(f"{a}={x}" for a, x in knobs.items()),
-           lambda fn=fn: time_jax(fn, qs), base,
-           mode="off", knobs=knobs)
+  for knobs in variants:   # tuning knobs; "scores" picks a score mode (default off)
+    knobs = dict(knobs)
+    mode = knobs.pop("scores", "off")
+    kind, rows, per_row = MODES[mode]
+    fn = functools.partial(verify_attention, score_kind=kind, score_rows=rows, per_row=per_row,
+                           **knobs)
+    label = ",".join(f"{a}={x}" for a, x in knobs.items())
+    record(name, f"pallas scores={mode} {label}" if kind else f"pallas {label}",
+           lambda fn=fn: time_jax(fn, qs), base + (b * s * 2 if kind else 0), mode=mode,
+           knobs=knobs)
   if with_ref:
     kind = None if t == 1 else "logits"
     fn = functools.partial(verify_attention_reference, score_kind=kind)
@@ -444,6 +452,8 @@ def main(argv):
   sh = FLAGS.shrink
   if FLAGS.plan == "followup":
     followup(q3, sh)
+  elif FLAGS.plan == "scores":
+    scores_plan(q3, sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()
@@ -474,6 +484,28 @@ def followup(q3, sh):
       sparse_case(m, 64, 16384 // sh, 1024 // sh, 8, chain=True)
     dense_case("qwen2.5-0.5b", 64, 16384 // sh, 8, ("off",), with_ref=False, with_torch=False,
                chain=True, variants=({"block_k": 64}, {"num_splits": 8}))
+
+
+def scores_plan(q3, sh):
+  """The scored kernel's grid: how many splits (programs per SM) and which block_k suit it."""
+  c2 = lambda **kw: dict(scores="collect2", **kw)
+  dense_case(q3, 4, 131072 // sh, 12, ("off", "collect2"), with_ref=False, with_torch=False,
+             variants=(c2(num_splits=17), c2(num_splits=24), c2(num_splits=32),
+                       c2(block_k=64), c2(block_k=64, num_splits=32)))
+  dense_case(q3, 16, 32768 // sh, 12, ("collect2",), with_ref=False, with_torch=False,
+             variants=(c2(num_splits=5), c2(num_splits=8)))
+  dense_case(q3, 4, 131072 // sh, 8, ("collect2",), with_ref=False, with_torch=False,
+             variants=(c2(num_splits=17), c2(num_splits=32)))
+  for t in (5, 8):
+    dense_case("qwen2.5-0.5b", 64, 16384 // sh, t, ("off", "collect2"), with_ref=False,
+               with_torch=False,
+               variants=(c2(num_splits=5), c2(num_splits=8), c2(num_splits=16),
+                         c2(block_k=128, num_splits=8), c2(block_k=32, num_splits=8)))
+  dense_case("qwen2.5-1.5b", 64, 16384 // sh, 8, ("collect2",), with_ref=False, with_torch=False,
+             variants=(c2(num_splits=5), c2(num_splits=8)))
+  dense_case("qwen2.5-0.5b", 64, 16384 // sh, 5, ("perrow-logits", "perrow-weights"),
+             with_ref=False, with_torch=False,
+             variants=(dict(scores="perrow-weights", num_splits=8),))
 
 
 def full(q3, sh, sweep_dense, sweep_sparse):
