@@ -301,12 +301,16 @@ def check_all() -> bool:
     try:
       sc = rand(5, (4, 5000), dt)
       lengths = jnp.array([1, 100, 4321, 5000], jnp.int32)
-      a, ca = topk_select(sc, lengths, ratio=0.07, min_tokens=16, k_max=400)
       r, cr = topk_select_reference(sc, lengths, ratio=0.07, min_tokens=16, k_max=400)
-      a, r, ca = np.asarray(a), np.asarray(r), np.asarray(ca)
-      good = all(set(a[i, :ca[i]]) == set(r[i, :ca[i]]) for i in range(4))
-      print(("PASS " if good else "FAIL ") + f"topk_select threshold {jnp.dtype(dt).name}", flush=True)
-      ok &= good
+      r = np.asarray(r)
+      for method in ("threshold", "pallas") if dt == jnp.bfloat16 else ("threshold",):
+        a, ca = topk_select(sc, lengths, ratio=0.07, min_tokens=16, k_max=400, method=method,
+                            interpret=FLAGS.interpret)
+        a, ca = np.asarray(a), np.asarray(ca)
+        good = all(set(a[i, :ca[i]]) == set(r[i, :ca[i]]) for i in range(4))
+        print(("PASS " if good else "FAIL ") + f"topk_select {method} {jnp.dtype(dt).name}",
+              flush=True)
+        ok &= good
     except Exception as e:
       ok = False
       print(f"FAIL topk {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
@@ -415,9 +419,15 @@ def topk_case(b, l, ratio, dtype):
   sets = [(rand(30 + i, (b, l), dtype), jnp.full((b,), l, jnp.int32)) for i in range(8)]
   nbytes = b * l * jnp.dtype(dtype).itemsize + b * k_max * 4
   name = f"topk_select B{b}xL{l} ratio {ratio} {jnp.dtype(dtype).name}"
-  for method in ("threshold", "top_k"):
-    fn = functools.partial(topk_select, ratio=ratio, min_tokens=16, k_max=k_max, method=method)
-    record(name, f"{method}", lambda fn=fn: time_jax(fn, sets), nbytes)
+  variants = [("threshold", {}), ("top_k", {})]
+  if dtype == jnp.bfloat16:
+    variants += [("pallas", dict(digit=2)), ("pallas", dict(digit=4)),
+                 ("pallas", dict(digit=2, num_warps=8)), ("pallas", dict(digit=2, block=2048))]
+  for method, knobs in variants:
+    fn = functools.partial(topk_select, ratio=ratio, min_tokens=16, k_max=k_max, method=method,
+                           interpret=FLAGS.interpret, **knobs)
+    label = " ".join([method] + [f"{a}={x}" for a, x in knobs.items()])
+    record(name, label, lambda fn=fn: time_jax(fn, sets), nbytes)
 
 
 def summary():

@@ -82,16 +82,18 @@ def static_k_max(capacity: int, ratio: float, min_tokens: int) -> int:
 
 
 def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_tokens: int,
-                   k_max: int) -> tuple[jax.Array, jax.Array]:
+                   k_max: int, backend: str = "reference") -> tuple[jax.Array, jax.Array]:
   """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B]).
 
   The sorting-free threshold select of `pallas_kernels.topk_select` (exact, ties to the lower
-  position, positions ascending): at 24 layers x 64 sequences x 33K positions `lax.top_k` sorts
-  every row (benchmarks/RESULTS.md). Plain XLA, so the same on every backend.
+  position, positions ascending; at 24 layers x 64 sequences x 33K positions `lax.top_k` sorts
+  every row, benchmarks/RESULTS.md): its Pallas kernel on the 'pallas' backend for bf16 scores,
+  its XLA form otherwise. Both return the same indices.
   """
   n_layers, b, s = scores.shape
+  method = "pallas" if backend == "pallas" and scores.dtype == jnp.bfloat16 else "threshold"
   idx, cnt = _topk.topk_select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers),
-                               ratio=ratio, min_tokens=min_tokens, k_max=k_max)
+                               ratio=ratio, min_tokens=min_tokens, k_max=k_max, method=method)
   return idx.reshape(n_layers, b, k_max), cnt.reshape(n_layers, b)
 
 
@@ -162,7 +164,7 @@ class Vegas(SelectionPolicy):
   def select_kv(self, cache, scores, first_row, accepted, backend):
     prefix = first_row + 1
     idx, cnt = per_layer_topk(scores, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
-                              k_max=self.k_max)
+                              k_max=self.k_max, backend=backend)
     return Selection(indices=idx, counts=cnt, tail_start=prefix)
 
 
@@ -188,7 +190,7 @@ class VegasLast(SelectionPolicy):
   def select_kv(self, cache, scores, first_row, accepted, backend):
     prefix = first_row + accepted + 1        # the keys that row saw: the whole accepted prefix
     idx, cnt = per_layer_topk(_row_of_last_accepted(scores, accepted), prefix, ratio=self.ratio,
-                              min_tokens=self.min_tokens, k_max=self.k_max)
+                              min_tokens=self.min_tokens, k_max=self.k_max, backend=backend)
     return Selection(indices=idx, counts=cnt, tail_start=prefix)
 
 

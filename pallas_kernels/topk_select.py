@@ -31,6 +31,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
@@ -110,12 +112,87 @@ def _compact(keep: jax.Array, k_max: int) -> jax.Array:
   return jnp.where(slots[None] <= rank[:, -1:], idx, 0).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "min_tokens", "k_max", "method"))
+def _select_kernel(len_ref, cnt_ref, bits_ref, idx_ref, *, block: int, digit: int):
+  # len_ref  []       int32   prefix length of this row
+  # cnt_ref  []       int32   k, the positions to keep
+  # bits_ref [L]      uint16  the row's 16-bit scores, bit patterns
+  # idx_ref  [k_max]  int32   out: the kept positions ascending, then zeros
+  # Every pass below re-reads the row; a program's own row (2 bytes a position) stays in L2
+  # between passes, so HBM sees it about once.
+  length, k = len_ref[()], cnt_ref[()]
+  k_max = idx_ref.shape[0]
+  n_blocks = (length + block - 1) // block
+
+  def keys(i):
+    pos = i * block + jnp.arange(block, dtype=jnp.int32)
+    live = pos < length
+    bits = plgpu.load(bits_ref.at[pl.ds(i * block, block)], mask=live, other=0).astype(jnp.int32)
+    bits = jnp.where((bits & 0x7FFF) > 0x7F80, 0xFF80, bits)            # NaN -> -inf
+    key = jnp.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)       # order-preserving
+    return pos, jnp.where(live, key, 0)                                 # as _ordered_key
+
+  def count_at_least(cand):                                             # cand [R] -> [R]
+    def body(i, acc):
+      _, key = keys(i)
+      return acc + jnp.sum((key[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
+    return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros(cand.shape, jnp.int32))
+
+  # The k-th largest key, `digit` bits a pass (as _kth_key; candidate 0 is t itself, which always
+  # has >= k keys at or above it, so the digit is the number of candidates that do, minus one).
+  t = jnp.int32(0)
+  steps = jnp.arange(1 << digit, dtype=jnp.int32)
+  for shift in range(16 - digit, -1, -digit):
+    at_least = count_at_least(t | (steps << shift))
+    t = t | ((jnp.sum((at_least >= k).astype(jnp.int32)) - 1) << shift)
+  take_eq = k - count_at_least(jnp.full((16,), t + 1, jnp.int32))[0]   # ties: lowest first
+
+  def emit(i, carry):
+    written, eq_seen = carry
+    pos, key = keys(i)
+    eq = (key == t).astype(jnp.int32)
+    keep = (key > t) | ((eq == 1) & (jnp.cumsum(eq) + eq_seen <= take_eq))
+    keep_i = keep.astype(jnp.int32)
+    slot = jnp.where(keep, jnp.cumsum(keep_i) - 1 + written, k_max)     # k_max: off the end
+    plgpu.store(idx_ref.at[slot], pos, mask=keep)
+    return written + jnp.sum(keep_i), eq_seen + jnp.sum(eq)
+  jax.lax.fori_loop(0, n_blocks, emit, (jnp.int32(0), jnp.int32(0)))
+
+  def pad(i, _):
+    slot = i * block + jnp.arange(block, dtype=jnp.int32)
+    plgpu.store(idx_ref.at[pl.ds(i * block, block)], jnp.zeros((block,), jnp.int32),
+                mask=(slot >= k) & (slot < k_max))
+    return _
+  jax.lax.fori_loop(k // block, (k_max + block - 1) // block, pad, 0)
+
+
+def _topk_pallas(scores, lengths, counts, k_max, *, block, digit, num_warps, interpret):
+  n, l = scores.shape
+  bits = jax.lax.bitcast_convert_type(scores, jnp.uint16)    # no copy: a view of the same bytes
+  return pl.pallas_call(
+      functools.partial(_select_kernel, block=block, digit=digit),
+      grid=(n,),
+      in_specs=[pl.BlockSpec((None,), lambda i: (i,)),
+                pl.BlockSpec((None,), lambda i: (i,)),
+                pl.BlockSpec((None, l), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((None, k_max), lambda i: (i, 0)),
+      out_shape=jax.ShapeDtypeStruct((n, k_max), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name=f"topk_select_d{digit}",
+  )(lengths, counts, bits)
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "min_tokens", "k_max", "method",
+                                             "interpret", "block", "digit", "num_warps"))
 def topk_select(scores: jax.Array, lengths: jax.Array, *, ratio: float, min_tokens: int,
-                k_max: int, method: str = "threshold") -> tuple[jax.Array, jax.Array]:
+                k_max: int, method: str = "threshold", interpret: bool = False,
+                block: int = 1024, digit: int = 2, num_warps: int = 4
+                ) -> tuple[jax.Array, jax.Array]:
   """Exact top-k positions per row; same contract as topk_select_reference (see module doc).
 
-  method: 'threshold' (sorting-free, positions in ascending order) or 'top_k' (lax.top_k,
+  method: 'threshold' (sorting-free XLA, positions in ascending order), 'pallas' (the same
+  search in one Pallas program per row; bf16 scores only; `interpret`, `block` positions
+  per tile, `digit` bits decided per pass and `num_warps` apply to it) or 'top_k' (lax.top_k,
   descending score order, i.e. the reference itself).
   """
   if scores.ndim != 2 or lengths.shape != scores.shape[:1]:
@@ -124,10 +201,18 @@ def topk_select(scores: jax.Array, lengths: jax.Array, *, ratio: float, min_toke
     raise ValueError(f"k_max={k_max} must be in [1, L={scores.shape[1]}]")
   if method == "top_k":
     return topk_select_reference(scores, lengths, ratio=ratio, min_tokens=min_tokens, k_max=k_max)
-  if method != "threshold":
-    raise ValueError(f"method must be 'threshold' or 'top_k', got {method!r}")
+  if method not in ("threshold", "pallas"):
+    raise ValueError(f"method must be 'threshold', 'pallas' or 'top_k', got {method!r}")
   b, l = scores.shape
   counts = budget(lengths, ratio, min_tokens, k_max)
+  if method == "pallas":
+    if scores.dtype != jnp.bfloat16:
+      raise ValueError(f"method='pallas' takes bf16 scores, got {scores.dtype}")
+    if 16 % digit or block < 16 or block & (block - 1):
+      raise ValueError(f"digit must divide 16 and block be a power of two >= 16; got {digit}, {block}")
+    idx = _topk_pallas(scores, lengths.astype(jnp.int32), counts, k_max, block=block, digit=digit,
+                       num_warps=num_warps, interpret=interpret)
+    return idx, counts
   in_prefix = jnp.arange(l)[None] < lengths[:, None]
   key, nbits = _ordered_key(scores, in_prefix)
   thresh = _kth_key(key, nbits, counts)

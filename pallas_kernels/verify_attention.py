@@ -76,6 +76,7 @@ from pallas_kernels import online_softmax
 
 NEG_INF = float("-inf")
 _DEFAULT_PROGRAMS = 528   # ~4 programs per SM on a 132-SM H100/H200
+_SCORED_PROGRAMS = 792    # ~6 per SM: 'logits' scores with 64 query rows (see verify_attention)
 
 
 def _check_shapes(q, k, v, lengths):
@@ -436,8 +437,8 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   per-row 'weights' from a second pass over K, like the collected 'weights'. Knobs: `block_k` keys per
   tile (power of two >= 16; default 128, or 64 with 'logits' scores at head_dim < 128, at most
   the cache length rounded down to a power of two), `num_splits` splits of the sequence per
-  (sequence, KV head) (default: at most ~4 programs per SM), Triton's `num_warps` and
-  `num_stages`.
+  (sequence, KV head) (default: at most ~4 programs per SM; ~6 with 'logits' scores and 64 or
+  more packed query rows), Triton's `num_warps` and `num_stages`.
   """
   _check_shapes(q, k, v, lengths)
   if score_kind not in (None, "logits", "weights"):
@@ -458,8 +459,16 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   g = hq // hkv
   scale = d ** -0.5 if sm_scale is None else sm_scale
   rows = None if score_kind is None else normalize_rows(score_rows, t)
-  splits = num_splits or default_splits(b * hkv, pl.cdiv(s, block_k), at_most=True)
   m_rows = _pow2_rows(t * g)
+  if num_splits:
+    splits = num_splits
+  elif score_kind == "logits" and m_rows >= 64:
+    # Measured on an H200 (kernels.py --plan=scores): the scored kernel with a 64-row tile wants
+    # more programs than the plain one: Qwen3-8B B=4 x 131072, T=12: 16 splits 736 us, 24 576;
+    # B=16 x 32768: 4 splits 750, 5 568; Qwen2.5-0.5B B=64 x 16384, T=5: 4 splits 240, 8 198.
+    splits = default_splits(b * hkv, pl.cdiv(s, block_k), _SCORED_PROGRAMS)
+  else:
+    splits = default_splits(b * hkv, pl.cdiv(s, block_k), at_most=True)
 
   # [B,T,Hq,D] -> [B,Hkv,T*G,D] (row r = t*G + g), zero-padded to M rows.
   qp = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)

@@ -308,9 +308,13 @@ def test_sparse_attention_bad_shapes():
 # ----------------------------------------------------------------------------------------------
 # topk_select
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+_PALLAS_TOPK = dict(method="pallas", interpret=True, block=64)   # 700 = 10 blocks + 60
+
+
+@pytest.mark.parametrize("dtype,method", [(jnp.bfloat16, "threshold"), (jnp.float32, "threshold"),
+                                          (jnp.bfloat16, "pallas-d2"), (jnp.bfloat16, "pallas-d4")])
 @pytest.mark.parametrize("data", ["normal", "ties", "special"])
-def test_topk_select_matches_reference_set(dtype, data):
+def test_topk_select_matches_reference_set(dtype, method, data):
   b, l = 5, 700
   x = _RNG.standard_normal((b, l)).astype(np.float32)
   if data == "ties":
@@ -322,7 +326,8 @@ def test_topk_select_matches_reference_set(dtype, data):
   lengths = np.array([0, 1, 333, l, int(_RNG.integers(1, l))], np.int32)
   scores = jnp.asarray(x, dtype)
   kw = dict(ratio=0.07, min_tokens=8, k_max=60)
-  idx, cnt = tk.topk_select(scores, jnp.asarray(lengths), **kw)
+  knobs = dict(_PALLAS_TOPK, digit=int(method[-1])) if method.startswith("pallas") else {}
+  idx, cnt = tk.topk_select(scores, jnp.asarray(lengths), **kw, **knobs)
   ref, ref_cnt = tk.topk_select_reference(scores, jnp.asarray(lengths), **kw)
   idx, cnt, ref, ref_cnt = map(np.asarray, (idx, cnt, ref, ref_cnt))
   np.testing.assert_array_equal(cnt, ref_cnt)
@@ -347,3 +352,20 @@ def test_topk_select_top_k_method_is_reference():
     tk.topk_select(scores, lengths, ratio=0.1, min_tokens=2, k_max=201)
   with pytest.raises(ValueError):
     tk.topk_select(scores, lengths[:2], ratio=0.1, min_tokens=2, k_max=20)
+
+
+def test_topk_select_pallas_equals_threshold_and_checks_its_input():
+  """The kernel and the XLA form return the same array: same positions, same order, zero padding
+  (the wide score range of bf16 exercises every digit pass)."""
+  x = _RNG.standard_normal((6, 1000)).astype(np.float32) * np.exp(_RNG.uniform(-30, 30, (6, 1)))
+  scores = jnp.asarray(x, jnp.bfloat16)
+  lengths = jnp.array([1000, 999, 513, 64, 1, 0], jnp.int32)
+  kw = dict(ratio=0.3, min_tokens=16, k_max=300)
+  a = tk.topk_select(scores, lengths, **kw, **_PALLAS_TOPK)
+  r = tk.topk_select(scores, lengths, **kw, method="threshold")
+  for x, y in zip(a, r):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ValueError, match="bf16"):
+    tk.topk_select(scores.astype(jnp.float32), lengths, **kw, **_PALLAS_TOPK)
+  with pytest.raises(ValueError, match="digit"):
+    tk.topk_select(scores, lengths, **kw, **dict(_PALLAS_TOPK, digit=3))

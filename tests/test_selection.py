@@ -183,8 +183,8 @@ def test_specextend_picks_pages_by_attention_mass():
 
 
 def test_selection_topk_picks_the_reference_set():
-  """`selection.per_layer_topk` (the threshold select, on every backend) selects lax.top_k's set
-  in every layer."""
+  """`selection.per_layer_topk` (the threshold select's XLA form off the GPU) selects lax.top_k's
+  set in every layer."""
   rng = np.random.default_rng(5)
   scores = jnp.asarray(rng.normal(size=(2, 6, 128)), jnp.bfloat16)     # [L, B, S]
   prefix = jnp.asarray([128, 100, 64, 17, 5, 90])
