@@ -131,9 +131,11 @@ def _select_kernel(len_ref, cnt_ref, bits_ref, idx_ref, *, block: int, digit: in
     key = jnp.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)       # order-preserving
     return pos, jnp.where(live, key, 0)                                 # as _ordered_key
 
-  def count_at_least(cand):                                             # cand [R] -> [R]
+  def count_at_least(cand):                              # cand [R] -> [R], or a scalar -> scalar
     def body(i, acc):
       _, key = keys(i)
+      if cand.ndim == 0:
+        return acc + jnp.sum((key >= cand).astype(jnp.int32))
       return acc + jnp.sum((key[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
     return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros(cand.shape, jnp.int32))
 
@@ -144,7 +146,7 @@ def _select_kernel(len_ref, cnt_ref, bits_ref, idx_ref, *, block: int, digit: in
   for shift in range(16 - digit, -1, -digit):
     at_least = count_at_least(t | (steps << shift))
     t = t | ((jnp.sum((at_least >= k).astype(jnp.int32)) - 1) << shift)
-  take_eq = k - count_at_least(jnp.full((16,), t + 1, jnp.int32))[0]   # ties: lowest first
+  take_eq = k - count_at_least(t + 1)                                   # ties: lowest first
 
   def emit(i, carry):
     written, eq_seen = carry
