@@ -167,7 +167,10 @@ def write_json(path: str, payload: dict) -> None:
 
 def load(spec: str):
   if spec.startswith("random:"):
-    return init_random(SHAPES[spec.split(":", 1)[1]], dtype=jnp.bfloat16), "random weights"
+    shape = spec.split(":", 1)[1]
+    if shape not in SHAPES:
+      raise ValueError(f"unknown random-weight shape {shape!r}; known: {', '.join(SHAPES)}")
+    return init_random(SHAPES[shape], dtype=jnp.bfloat16), "random weights"
   from jaxspec.loading import load_model
   return load_model(spec, dtype=jnp.bfloat16).model, "real weights"
 

@@ -17,7 +17,8 @@ engine's throughput counter would; decode-only throughput is reported too), the 
 tokens per round, and (--profile) the drafting / verification / selection time shares
 (`speculative.time_phases`) over a few rounds of the serving batch as it stands at the end of the
 window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its own
-ratio, so one run can hold a method at 0.07 and at its tuned ratio.
+ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
+(gamma, ratio).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec,
 _WORKLOAD = flags.DEFINE_enum("workload", "short", ["short", "long", "scale"], "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
                                          "vegas"],
-                             "methods to run, in order; method@ratio overrides --sparsity")
+                             "methods to run, in order; method@ratio overrides --sparsity, "
+                             "method:gamma (or method@ratio:gamma) --gammas")
 _GAMMAS = flags.DEFINE_list("gammas", ["vegas=6", "default=4"],
                             "gamma per method: method=g entries and default=g")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "KV ratio for drafting")
@@ -70,11 +72,13 @@ _OUT = flags.DEFINE_string("out", None, "JSON path (default benchmarks/out/throu
 
 def parse_entry(entry: str) -> tuple[str, float, int]:
   """A --methods entry -> (method, ratio, gamma). 'vegas' runs at --sparsity, 'vegas@0.05' at its
-  own ratio; gamma from --gammas: the entry itself, then its method, then 'default'."""
-  method, _, ratio = entry.partition("@")
+  own ratio, 'vegas:6' or 'vegas@0.05:6' at its own gamma; otherwise gamma comes from --gammas:
+  the entry itself, then its method, then 'default'."""
+  name, _, own_gamma = entry.partition(":")
+  method, _, ratio = name.partition("@")
   table = dict(item.split("=") for item in _GAMMAS.value)
-  gamma = int(table.get(entry, table.get(method, table.get("default", 4))))
-  return method, float(ratio) if ratio else _SPARSITY.value, gamma
+  gamma = own_gamma or table.get(entry, table.get(method, table.get("default", 4)))
+  return method, float(ratio) if ratio else _SPARSITY.value, int(gamma)
 
 
 def phase_times(eng: Engine, state):

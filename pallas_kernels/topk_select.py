@@ -16,14 +16,23 @@ lists it in ascending position order (what a gather over the cache wants anyway)
      the row, the keys at or above 15 candidate thresholds (4 passes for 16-bit keys, 8 for 32);
   3. keep every key above it and the first (k - #above) keys equal to it, in position order, and
      compact with a running count and a binary search per output slot (no scatter).
-Measured on an H200 (jax 0.11.2), bf16 scores, ratio 0.07:
-  B=16 x L=131072:          threshold 201 us, lax.top_k 397 us;
+method='pallas' runs the same search as a Pallas (Triton) kernel, one program per row, bf16 only:
+the digit passes, one count of the keys above the threshold and the emitting pass each re-read the
+row, which stays in L2 between passes (a row is 2 bytes a position), and the kept positions are
+written in order by a running count (a block-wise cumsum) with a scatter store. It is bound by the
+compares (digit=4: 15 per key per pass), not by memory.
+Measured on an H200 (jax 0.11.2, third and fourth sessions), bf16 scores, ratio 0.07:
+  B=16 x L=131072:          threshold 165-201 us, lax.top_k 380-397 us, kernel 699 us (16 programs
+                            for 132 SMs);
   N=1536 x L=33792 (24 layers x 64 sequences, the long workload's per-round selection):
-                            threshold 1796 us, lax.top_k 3349 us.
-A histogram radix select (one scatter-add of 65536 bins per row) measured 254 us / 3175 us and
-was dropped. lax.top_k sorts every row. method='top_k' keeps it (the reference itself) as the
-measured alternative. All of these are several passes over the scores in XLA; the floor is one
-read (~30 us for the 104 MB at N=1536): a single-pass Pallas kernel is the next step.
+                            threshold 1796-1838 us, lax.top_k 3349-3410 us, kernel 747 us (digit=4;
+                            digit=2, 8 passes of 3 compares: 824 us).
+So the per-layer selection (`jaxspec.selection.per_layer_topk`) runs the kernel when there are
+enough rows to fill the GPU and the XLA form otherwise. A histogram radix select (one scatter-add
+of 65536 bins per row) measured 254 us / 3175 us and was dropped. lax.top_k sorts every row;
+method='top_k' keeps it (the reference itself) as the measured alternative. The floor is one read
+of the scores (~25 us for the 104 MB at N=1536); the kernel is 30x that, held back by its compare
+count: a histogram in shared memory (not expressible in Pallas's Triton lowering) would close it.
 """
 from __future__ import annotations
 
@@ -188,7 +197,7 @@ def _topk_pallas(scores, lengths, counts, k_max, *, block, digit, num_warps, int
                                              "interpret", "block", "digit", "num_warps"))
 def topk_select(scores: jax.Array, lengths: jax.Array, *, ratio: float, min_tokens: int,
                 k_max: int, method: str = "threshold", interpret: bool = False,
-                block: int = 1024, digit: int = 2, num_warps: int = 4
+                block: int = 1024, digit: int = 4, num_warps: int = 4
                 ) -> tuple[jax.Array, jax.Array]:
   """Exact top-k positions per row; same contract as topk_select_reference (see module doc).
 

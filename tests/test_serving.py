@@ -63,3 +63,18 @@ def test_kernel_times_counts_only_gpu_stream_lines():
   assert t["device_us"] == 45.0
   assert t["kernels"] == [dict(name="sort", us=30.0, calls=1), dict(name="gemm", us=15.0, calls=2)]
   assert t["lines"] == ["Stream #14(Compute)", "XLA Ops"]
+
+
+def test_throughput_method_entries():
+  """--methods entries: method, method@ratio, method:gamma, method@ratio:gamma; the rest from
+  --sparsity and --gammas (entry, then method, then default)."""
+  from absl import flags
+  from absl.testing import flagsaver
+  from benchmarks import throughput
+  flags.FLAGS.mark_as_parsed()
+  with flagsaver.flagsaver(gammas=["vegas=6", "default=4"], sparsity=0.07):
+    assert throughput.parse_entry("none") == ("none", 0.07, 4)
+    assert throughput.parse_entry("vegas") == ("vegas", 0.07, 6)
+    assert throughput.parse_entry("vegas@0.12") == ("vegas", 0.12, 6)
+    assert throughput.parse_entry("streaming:8") == ("streaming", 0.07, 8)
+    assert throughput.parse_entry("vegas@0.04:3") == ("vegas", 0.04, 3)
