@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs recorded in benchmarks/RESULTS.md, as they were made on the lent machine.
-# Weights travel as the GGUF file in chunks (../shared/tools/ship_chunks.sh) to /tmp/shipped/;
+# Weights travel as the GGUF file in chunks (../shared/tools/ship_chunks.sh) to /tmp/shipped/
+# (qwen05.gguf, or qwen15.gguf with MODEL=1.5b);
 # the gguf package as a wheel in .whl/, the data files (../shared/data) in .data/.
 # Usage: bash benchmarks/run_gpu.sh STEP...
 #   prep        install the carried wheels, convert the GGUF to an orbax checkpoint
@@ -13,14 +14,22 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 JAXSPEC_DATA=.data
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-CKPT=/tmp/ckpt/qwen2.5-coder-0.5b
+# MODEL=0.5b (default) or 1.5b: which shipped GGUF (/tmp/shipped/qwen05.gguf or qwen15.gguf).
+case ${MODEL:-0.5b} in
+  0.5b) GGUF=/tmp/shipped/qwen05.gguf; CKPT=/tmp/ckpt/qwen2.5-coder-0.5b
+        SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 ;;
+  1.5b) GGUF=/tmp/shipped/qwen15.gguf; CKPT=/tmp/ckpt/qwen2.5-coder-1.5b
+        SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ;;
+  *) echo "MODEL must be 0.5b or 1.5b"; exit 2 ;;
+esac
+TAG=${MODEL:+_$MODEL}
 for step in "$@"; do
   echo "=== $step ==="
   case $step in
     prep)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-      echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/shipped/qwen05.gguf" | sha256sum -c || exit 1
-      python3 -m jaxspec.convert --src=/tmp/shipped/qwen05.gguf --out=$CKPT --dtype=bfloat16 2>&1 | tail -3
+      echo "$SHA  $GGUF" | sha256sum -c || exit 1
+      [ -d $CKPT ] || python3 -m jaxspec.convert --src=$GGUF --out=$CKPT --dtype=bfloat16 2>&1 | tail -3
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv ;;
     smoke)
       for m in none vegas; do
@@ -47,7 +56,7 @@ for step in "$@"; do
       python3 -m benchmarks.throughput --model=$CKPT --workload=$step $extra \
         --methods=${METHODS:-none,streaming,quest,specextend,vegas-all,vegas,vegas@${RATIO:-0.07}} \
         --gammas=default=${GAMMA:-6} --ignore_eos --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
-        --out=$OUT/throughput_$step.json 2>&1 | grep -v "^[IW]1" | tail -10 ;;
+        --out=$OUT/throughput_$step$TAG.json 2>&1 | grep -v "^[IW]1" | tail -10 ;;
     scale)
       python3 -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4 \
         --context=131072 --methods=none,streaming,vegas --gammas=default=${GAMMA:-6} \
