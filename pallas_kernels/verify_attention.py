@@ -32,10 +32,11 @@ Kernel (`verify_attention`), flash-decoding:
     main product. The first design summed the collected rows of the [M, block_k] logit tile, a
     reduction across all warps of the MMA layout. On an H200, over scores off: Qwen3-8B B=4 x 131072
     at T=12 / T=8 and Qwen2.5-0.5B B=64 x 16384 at T=7 / T=5, the old design cost +16% / +17% / +51%
-    / +55%, this one +7% / +13% / +19% / +17% (a side-by-side variant run; benchmarks/kernels.py's
-    run 2 measured +8-10% on Qwen3-8B and +25% on the 0.5B at T=8). The issue's goal is 5%: what is
-    left is the extra MMA and store per block in a loop with one or two programs per SM
-    (NOTES_kernels.md v4). The all-rows mode costs the same as Collect-2.
+    / +55%, this one +7% / +13% / +19% / +17% (a side-by-side variant run). benchmarks/kernels.py
+    at the current defaults (fourth session): Qwen3-8B +8-10% at T=8, +10-18% at T=12; the 0.5B
+    at T=5 and 8 +33%. The issue's goal is 5%: what is left is the extra MMA and store per block in
+    a loop with one or two programs per SM (NOTES_kernels.md v4-v5). The all-rows mode costs the
+    same as Collect-2.
   * 'weights' scores need the final log-sum-exp, known only after the combine, so they are
     rematerialised by a second pass (`_weights_kernel`) that re-reads K (not V) for the collected
     rows only: +50% over scores off (measured: 1198 vs 796 us). Storing per-row probabilities
@@ -45,11 +46,17 @@ Kernel (`verify_attention`), flash-decoding:
     on the last accepted token): 'logits' in the main pass, each row's head-summed query in one
     [block_k, R] product (R = T rounded up to 16) stored key-major as [B, Hkv, S, R] f32 (4R bytes
     per key and KV head); 'weights' by a second pass over K like the collected weights, each row's
-    G heads summed by an MMA with a 0/1 grouping matrix. Tested in interpret mode only so far: not
-    yet compiled or timed on a GPU.
+    G heads summed by an MMA with a 0/1 grouping matrix. Checked against the reference on an H200;
+    dear there: Qwen3-8B B=4 x 131072, T=8: 870-883 us (logits) and 908-937 (weights) against 496-507
+    with scores off; Qwen2.5-0.5B B=64 x 16384, T=5: 317 / 383 against 149. The [S, R] f32 output
+    (R = 16 columns for T <= 16) is as many bytes as a quarter to half of K, and XLA transposes it
+    afterwards; storing only T columns in bf16 is the next step.
   * scores off compiles the kernel without any score code: it costs nothing extra.
   * default block_k: 128 (fastest for T = 1, 8 and 12 with scores off, and with 'logits' scores
-    at head_dim 128), 64 with 'logits' scores at head_dim 64.
+    at head_dim 128), 64 with 'logits' scores at head_dim 64. Default splits: the grid holds at
+    most ~4 programs per SM (rounded down: at head_dim 128 one program fills an SM, so a partial
+    last wave costs a whole one), except 'logits' scores with a 64-row query tile (T*G > 32), which
+    measured fastest at ~6 (rounded up); the numbers are at `verify_attention`.
 
 Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`), chosen by measurement: on an
 H100 this kernel streams the Qwen3-8B cache at 100-103% of XLA's copy rate (T = 1 decode: 712 us,
