@@ -78,14 +78,14 @@ def verify_sampled(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Arr
   return Verdict(accepted=accepted, next_token=sample_from_probs(k_resample, dist))
 
 
-def verify_drafts(key: jax.Array, draft_tokens: jax.Array, draft_logits: jax.Array | None,
+def verify_drafts(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array | None,
                   target_logits: jax.Array, sampling: SamplingParams) -> Verdict:
   """Accept/reject gamma drafts against the verification logits under `sampling`.
 
-  draft_logits [B, gamma, V] (the logits each draft was sampled from; unused, may be None, when
-  greedy), target_logits [B, gamma + 1, V]. Both go through `sampling.probabilities`.
+  draft_probs [B, gamma, V]: the distribution each draft was drawn from, i.e.
+  `sampling.probabilities` of its logits (`sampling.sample_with_probs` returns it; unused, may be
+  None, when greedy). target_logits [B, gamma + 1, V] go through `sampling.probabilities` here.
   """
   if sampling.greedy:
     return verify_greedy(draft_tokens, target_logits)
-  return verify_sampled(key, draft_tokens, probabilities(draft_logits, sampling),
-                        probabilities(target_logits, sampling))
+  return verify_sampled(key, draft_tokens, draft_probs, probabilities(target_logits, sampling))

@@ -93,4 +93,12 @@ def sample(key: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """Draw one token per row of logits [..., V] -> int32 [...]."""
   if sp.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, filter_logits(logits, sp), axis=-1).astype(jnp.int32)
+  return sample_with_probs(key, logits, sp)[0]
+
+
+def sample_with_probs(key: jax.Array, logits: jax.Array, sp: SamplingParams
+                      ) -> tuple[jax.Array, jax.Array]:
+  """`sample` (not greedy) plus the distribution it drew from, `probabilities(logits, sp)`: the
+  draft step keeps it for verification, so its logits are filtered once, not twice."""
+  x = filter_logits(logits, sp)
+  return jax.random.categorical(key, x, axis=-1).astype(jnp.int32), jax.nn.softmax(x, axis=-1)

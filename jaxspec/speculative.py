@@ -5,7 +5,8 @@ not yet in the cache):
 
   draft      gamma one-token steps of the same model with sparse attention (the policy's
              Selection), a `lax.scan` over the static gamma: feeds last_token, d_1..d_{gamma-1},
-             samples d_1..d_gamma and keeps their logits (q). Draft K/V are written at n..n+gamma-1.
+             samples d_1..d_gamma and keeps the distributions they were drawn from (q). Draft
+             K/V are written at n..n+gamma-1.
   verify     ONE forward pass over [last_token, d_1..d_gamma] at positions n..n+gamma with full
              attention: it overwrites the drafts' approximate K/V with the exact ones, gives the
              target logits (p) and, for score-based policies, the criticality scores.
@@ -54,7 +55,7 @@ from jaxspec import decode, rejection, selection
 from jaxspec.attention import default_backend
 from jaxspec.decode import DecodeState, GenerationStats
 from jaxspec.model import Transformer
-from jaxspec.sampling import SamplingParams, sample
+from jaxspec.sampling import SamplingParams, sample, sample_with_probs
 from jaxspec.selection import METHODS, Selection, SelectionPolicy
 
 __all__ = ["METHODS", "SpecConfig", "SpecState", "speculative_generate", "speculative_chunk",
@@ -90,7 +91,8 @@ class SpecState:
 def draft(model: Transformer, state: SpecState, config: SpecConfig
           ) -> tuple[SpecState, jax.Array, jax.Array]:
   """gamma sparse-attention draft steps. Returns (state with draft K/V written and the key
-  advanced, draft tokens [B, gamma], their logits [B, gamma, V] or None when greedy)."""
+  advanced, draft tokens [B, gamma], the distributions they were drawn from [B, gamma, V] or None
+  when greedy)."""
   ds = state.decode
   # Active sequences always have gamma + 1 free slots (append_tokens' reserve); the clamp only
   # moves finished ones, whose cache no longer matters, so that every write and kernel stays in
@@ -104,20 +106,23 @@ def draft(model: Transformer, state: SpecState, config: SpecConfig
     i, step_key = xs
     hidden, cache, _ = model(token[:, None], cache.replace(lengths=start + i), plan)
     logits = model.logits(hidden[:, 0])
-    nxt = sample(step_key, logits, config.sampling)
-    # Greedy verification needs only the draft tokens: skip the [gamma, B, V] logits buffer.
-    return (cache, nxt), (nxt, None if config.sampling.greedy else logits)
+    # Greedy verification needs only the draft tokens: skip the [gamma, B, V] buffer.
+    if config.sampling.greedy:
+      nxt, probs = sample(step_key, logits, config.sampling), None
+    else:
+      nxt, probs = sample_with_probs(step_key, logits, config.sampling)
+    return (cache, nxt), (nxt, probs)
 
-  (cache, _), (tokens, logits) = jax.lax.scan(
+  (cache, _), (tokens, probs) = jax.lax.scan(
       draft_step, (ds.cache, ds.last_token),
       (jnp.arange(config.gamma, dtype=jnp.int32), jnp.stack(step_keys)))
   cache = cache.replace(lengths=start)
   state = state.replace(decode=ds.replace(cache=cache, key=key))
-  return state, tokens.T, (None if logits is None else jnp.swapaxes(logits, 0, 1))
+  return state, tokens.T, (None if probs is None else jnp.swapaxes(probs, 0, 1))
 
 
 def verify(model: Transformer, state: SpecState, drafts: jax.Array,
-           draft_logits: jax.Array | None, config: SpecConfig) -> tuple[SpecState, jax.Array | None, jax.Array, jax.Array]:
+           draft_probs: jax.Array | None, config: SpecConfig) -> tuple[SpecState, jax.Array | None, jax.Array, jax.Array]:
   """Full-attention verification of [last_token, drafts] in one pass, accept/reject, append.
 
   Returns (state with lengths moved and tokens appended, scores for the policy, first_row [B]
@@ -129,7 +134,7 @@ def verify(model: Transformer, state: SpecState, drafts: jax.Array,
   hidden, cache, scores = model(tokens, ds.cache, config.policy.verify_plan(config.backend))
   target_logits = model.logits(hidden)                                        # [B, gamma + 1, V]
   key, sub = jax.random.split(ds.key)
-  verdict = rejection.verify_drafts(sub, drafts, draft_logits, target_logits, config.sampling)
+  verdict = rejection.verify_drafts(sub, drafts, draft_probs, target_logits, config.sampling)
   active = ~ds.done
   emitted = verdict.accepted + 1
   cache = cache.replace(lengths=start + jnp.where(active, emitted, 0))
@@ -153,8 +158,8 @@ def select_kv(state: SpecState, scores: jax.Array | None, first_row: jax.Array,
 
 
 def speculative_round(model: Transformer, state: SpecState, config: SpecConfig) -> SpecState:
-  state, drafts, draft_logits = draft(model, state, config)
-  state, scores, first_row, accepted = verify(model, state, drafts, draft_logits, config)
+  state, drafts, draft_probs = draft(model, state, config)
+  state, scores, first_row, accepted = verify(model, state, drafts, draft_probs, config)
   return select_kv(state, scores, first_row, accepted, config)
 
 
@@ -406,10 +411,10 @@ def time_phases(graphdef, params, state: SpecState, config: SpecConfig, *, round
     if r == warmup:
       hist0 = np.asarray(state.accept_hist)
     t0 = time.perf_counter()
-    state, drafts, draft_logits = jax.block_until_ready(draft_fn(params, state))
+    state, drafts, draft_probs = jax.block_until_ready(draft_fn(params, state))
     t1 = time.perf_counter()
     state, scores, first_row, accepted = jax.block_until_ready(
-        verify_fn(params, state, drafts, draft_logits))
+        verify_fn(params, state, drafts, draft_probs))
     t2 = time.perf_counter()
     state = jax.block_until_ready(select_fn(state, scores, first_row, accepted))
     t3 = time.perf_counter()

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import rejection
+from jaxspec import rejection, sampling
 from jaxspec.sampling import SamplingParams, probabilities
 
 V, GAMMA, N = 6, 3, 200_000
@@ -110,7 +110,7 @@ def test_greedy_path_equals_the_general_rule_on_one_hot_probabilities(sp):
   target = rng.normal(size=(64, GAMMA + 1, 11)).astype(np.float32)
   draft_logits = target[:, :GAMMA] + 0.8 * rng.normal(size=(64, GAMMA, 11)).astype(np.float32)
   drafts = jnp.asarray(draft_logits.argmax(-1), jnp.int32)
-  fast = verify_drafts(key, drafts, draft_logits, target, sampling=sp)
+  fast = verify_drafts(key, drafts, probabilities(draft_logits, sp), target, sampling=sp)
   general = jax.jit(lambda k, d, ql, pl: rejection.verify_sampled(
       k, d, probabilities(ql, sp), probabilities(pl, sp)))(key, drafts, draft_logits, target)
   np.testing.assert_array_equal(fast.accepted, general.accepted)
@@ -126,8 +126,21 @@ def test_same_transforms_shape_p_and_q():
   draft_logits = jnp.broadcast_to(jnp.asarray([3.0, 0.0, 2.9, 0.0, 0.0]), (b, 1, 5))
   drafts = jax.random.categorical(jax.random.PRNGKey(0),
                                   jnp.log(probabilities(draft_logits, sp)), -1).astype(jnp.int32)
-  v = verify_drafts(jax.random.PRNGKey(1), drafts, draft_logits, target, sampling=sp)
+  v = verify_drafts(jax.random.PRNGKey(1), drafts, probabilities(draft_logits, sp), target,
+                    sampling=sp)
   first = np.where(np.asarray(v.accepted) == 1, np.asarray(drafts[:, 0]), np.asarray(v.next_token))
   p = np.asarray(probabilities(target[0, 0], sp), np.float64)
   assert set(np.unique(first)) <= {1, 2}
   assert chi2_pvalue(np.bincount(first, minlength=5), p) > 1e-3
+
+
+def test_sample_with_probs_is_sample_and_probabilities():
+  """The draft step's one filtering pass gives the same token as `sample` and the same
+  distribution as `probabilities`, which verification used to recompute from the logits."""
+  sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+  logits = jnp.asarray(np.random.default_rng(8).normal(size=(16, 50)), jnp.float32)
+  key = jax.random.PRNGKey(9)
+  tokens, probs = sampling.sample_with_probs(key, logits, sp)
+  np.testing.assert_array_equal(tokens, sampling.sample(key, logits, sp))
+  np.testing.assert_array_equal(probs, probabilities(logits, sp))
+  assert int((probs[0] > 0).sum()) <= 5
