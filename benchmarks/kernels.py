@@ -501,16 +501,20 @@ def scores_plan(q3, sh):
   c2 = lambda **kw: dict(scores="collect2", **kw)
   dense_case(q3, 4, 131072 // sh, 12, ("off", "collect2"), with_ref=False, with_torch=False,
              variants=(c2(num_splits=17), c2(num_splits=24), c2(num_splits=32),
-                       c2(block_k=64), c2(block_k=64, num_splits=32)))
+                       c2(block_k=64), c2(block_k=64, num_splits=32),
+                       c2(num_stages=2), c2(num_stages=4), c2(num_warps=8)))
   dense_case(q3, 16, 32768 // sh, 12, ("collect2",), with_ref=False, with_torch=False,
              variants=(c2(num_splits=5), c2(num_splits=8)))
   dense_case(q3, 4, 131072 // sh, 8, ("collect2",), with_ref=False, with_torch=False,
-             variants=(c2(num_splits=17), c2(num_splits=32)))
+             variants=(c2(num_splits=17), c2(num_splits=32), c2(num_stages=2), c2(num_stages=4),
+                       c2(num_warps=8)))
   for t in (5, 8):
     dense_case("qwen2.5-0.5b", 64, 16384 // sh, t, ("off", "collect2"), with_ref=False,
                with_torch=False,
                variants=(c2(num_splits=5), c2(num_splits=8), c2(num_splits=16),
-                         c2(block_k=128, num_splits=8), c2(block_k=32, num_splits=8)))
+                         c2(block_k=128, num_splits=8), c2(block_k=32, num_splits=8),
+                         c2(num_stages=2), c2(num_stages=4), c2(num_warps=8),
+                         c2(num_warps=2)))
   dense_case("qwen2.5-1.5b", 64, 16384 // sh, 8, ("collect2",), with_ref=False, with_torch=False,
              variants=(c2(num_splits=5), c2(num_splits=8)))
   dense_case("qwen2.5-0.5b", 64, 16384 // sh, 5, ("perrow-logits", "perrow-weights"),
