@@ -56,7 +56,7 @@ Kernel (`verify_attention`), flash-decoding:
     at head_dim 128), 64 with 'logits' scores at head_dim 64. Default splits: the grid holds at
     most ~4 programs per SM (rounded down: at head_dim 128 one program fills an SM, so a partial
     last wave costs a whole one), except 'logits' scores with a 64-row query tile (T*G > 32), which
-    measured fastest at ~6 (rounded up); the numbers are at `verify_attention`.
+    measured fastest at ~6 (also rounded down); the numbers are at `verify_attention`.
 
 Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`), chosen by measurement: on an
 H100 this kernel streams the Qwen3-8B cache at 100-103% of XLA's copy rate (T = 1 decode: 712 us,
@@ -470,10 +470,11 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   if num_splits:
     splits = num_splits
   elif score_kind == "logits" and m_rows >= 64:
-    # Measured on an H200 (kernels.py --plan=scores): the scored kernel with a 64-row tile wants
-    # more programs than the plain one: Qwen3-8B B=4 x 131072, T=12: 16 splits 736 us, 24 576;
-    # B=16 x 32768: 4 splits 750, 5 568; Qwen2.5-0.5B B=64 x 16384, T=5: 4 splits 240, 8 198.
-    splits = default_splits(b * hkv, pl.cdiv(s, block_k), _SCORED_PROGRAMS)
+    # Measured on an H200 (kernels.py --plan=scores, two runs): the scored kernel with a 64-row
+    # tile wants more programs than the plain one, rounded down: Qwen3-8B B=4 x 131072, T=12:
+    # 16 splits 736 us, 24 565-576, 25 615, 32 581; B=16 x 32768: 4 splits 750, 5 564-568, 7 575,
+    # 8 578-580; Qwen2.5-0.5B B=64 x 16384, T=5: 4 splits 240, 5 206-210, 7 215, 8 197-198.
+    splits = default_splits(b * hkv, pl.cdiv(s, block_k), _SCORED_PROGRAMS, at_most=True)
   else:
     splits = default_splits(b * hkv, pl.cdiv(s, block_k), at_most=True)
 
