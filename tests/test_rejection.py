@@ -7,19 +7,10 @@ import pytest
 from jaxspec import rejection, sampling
 from jaxspec.sampling import SamplingParams, probabilities
 
+from chi2 import chi2_pvalue
+
 V, GAMMA, N = 6, 3, 200_000
 verify_drafts = jax.jit(rejection.verify_drafts, static_argnames=("sampling",))
-
-
-def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-  """Goodness of fit of counts to probs (cells with zero probability must be empty)."""
-  n = counts.sum()
-  if (counts[probs == 0] > 0).any():   # a token the target cannot produce was emitted
-    return 0.0
-  keep = probs > 0
-  stat = float((((counts - n * probs) ** 2)[keep] / (n * probs[keep])).sum())
-  df = int(keep.sum()) - 1
-  return float(jax.scipy.special.gammaincc(df / 2, stat / 2))
 
 
 def random_dists(seed):
