@@ -25,10 +25,16 @@ def _batch_axis(big: jax.Array, small: jax.Array) -> int | None:
 
 @functools.partial(jax.jit, donate_argnames=("big",))
 def insert_slot(big, small, slot: jax.Array):
-  """Write batch-1 `small` into slot `slot` of `big` (donated). Returns the updated big state."""
-  def put(b, s):
-    axis = _batch_axis(b, s)
-    if axis is None:
-      return b
-    return jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), slot, axis)
-  return jax.tree_util.tree_map(put, big, small)
+  """Write batch-1 `small` into slot `slot` of `big` (donated). Returns the updated big state.
+
+  A batch-1 `big` is refused: no leaf differs in shape, so the batch axis cannot be told apart
+  (the caller can use `small` itself)."""
+  big_leaves, treedef = jax.tree_util.tree_flatten(big)
+  small_leaves = treedef.flatten_up_to(small)
+  axes = [_batch_axis(b, s) for b, s in zip(big_leaves, small_leaves)]
+  if all(a is None for a in axes):
+    raise ValueError("insert_slot needs a state of batch > 1 to insert into; at batch 1 the "
+                     "fresh state replaces it")
+  return treedef.unflatten([
+      b if a is None else jax.lax.dynamic_update_slice_in_dim(b, s.astype(b.dtype), slot, a)
+      for b, s, a in zip(big_leaves, small_leaves, axes)])

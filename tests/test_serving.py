@@ -78,3 +78,17 @@ def test_throughput_method_entries():
     assert throughput.parse_entry("vegas@0.12") == ("vegas", 0.12, 6)
     assert throughput.parse_entry("streaming:8") == ("streaming", 0.07, 8)
     assert throughput.parse_entry("vegas@0.04:3") == ("vegas", 0.04, 3)
+
+
+def test_insert_slot_refuses_a_batch_one_state():
+  """At batch 1 no leaf shows where the batch axis is: a clear error, not a silent no-op."""
+  from jaxspec.batching import insert_slot
+  one = {"tokens": jnp.zeros((1, 4), jnp.int32), "key": jnp.zeros((2,), jnp.uint32)}
+  with pytest.raises(ValueError, match="batch > 1"):
+    insert_slot(one, {"tokens": jnp.ones((1, 4), jnp.int32), "key": jnp.ones((2,), jnp.uint32)},
+                jnp.int32(0))
+  big = {"tokens": jnp.zeros((3, 4), jnp.int32), "key": jnp.zeros((2,), jnp.uint32)}
+  out = insert_slot(big, {"tokens": jnp.ones((1, 4), jnp.int32), "key": jnp.ones((2,), jnp.uint32)},
+                    jnp.int32(1))
+  np.testing.assert_array_equal(out["tokens"].sum(axis=1), [0, 4, 0])
+  np.testing.assert_array_equal(out["key"], [0, 0])            # no batch axis: the big state's
