@@ -345,24 +345,21 @@ def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(
   qs = [(rand(10 + i, (b, t, hq, d)), k, v, lengths) for i in range(2)]
   base = kv_bytes(b * s, hkv, d)
   name = f"{'decode' if t == 1 else 'verify'} {model} B{b}xL{s} T{t}"
-  for mode in modes:
+  # Each mode at default knobs, then the tuning variants ("scores" in a variant picks its mode).
+  cases = [(mode, {}) for mode in modes] + [
+      (kn.get("scores", "off"), {a: x for a, x in kn.items() if a != "scores"}) for kn in variants]
+  for mode, knobs in cases:
     kind, rows, per_row = MODES[mode]
     nbytes = base + (b * s * 2 * (t if per_row else 1) if kind else 0)
-    fn = functools.partial(verify_attention, score_kind=kind, score_rows=rows, per_row=per_row)
-    record(name, f"pallas scores={mode}", lambda fn=fn: time_jax(fn, qs), nbytes, mode=mode)
-    if chain:
-      record(name, f"pallas scores={mode} [chained]", lambda fn=fn: time_chain(fn, qs[0]), nbytes,
-             mode=mode, timing="chained")
-  for knobs in variants:   # tuning knobs; "scores" picks a score mode (default off)
-    knobs = dict(knobs)
-    mode = knobs.pop("scores", "off")
-    kind, rows, per_row = MODES[mode]
     fn = functools.partial(verify_attention, score_kind=kind, score_rows=rows, per_row=per_row,
                            **knobs)
-    label = ",".join(f"{a}={x}" for a, x in knobs.items())
-    record(name, f"pallas scores={mode} {label}" if kind else f"pallas {label}",
-           lambda fn=fn: time_jax(fn, qs), base + (b * s * 2 if kind else 0), mode=mode,
-           knobs=knobs)
+    label = " ".join(([f"scores={mode}"] if kind or not knobs else [])
+                     + ([",".join(f"{a}={x}" for a, x in knobs.items())] if knobs else []))
+    extra = dict(mode=mode, knobs=knobs) if knobs else dict(mode=mode)
+    record(name, f"pallas {label}", lambda fn=fn: time_jax(fn, qs), nbytes, **extra)
+    if chain and not knobs:
+      record(name, f"pallas {label} [chained]", lambda fn=fn: time_chain(fn, qs[0]), nbytes,
+             timing="chained", **extra)
   if with_ref:
     kind = None if t == 1 else "logits"
     fn = functools.partial(verify_attention_reference, score_kind=kind)

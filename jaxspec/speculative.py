@@ -351,14 +351,16 @@ def speculative_generate(model: Transformer, prompts: list[list[int]], *, method
 # ----------------------------------------------------------------------------------------------
 # Phase timing
 
+@functools.lru_cache(maxsize=8)
 def _phase_fns(graphdef, config: SpecConfig):
   """The three phases, each jitted with the model structure and config closed over: passing the
   GraphDef as a static argument would hash it on every call (1.5 ms for the 0.5B model, on the
-  host while the device waits), which a phase timer would count as phase time."""
+  host while the device waits), which a phase timer would count as phase time. Cached, so a
+  second `time_phases` on the same model and config does not compile again."""
   draft_fn = jax.jit(lambda params, state: draft(nnx.merge(graphdef, params), state, config),
                      donate_argnums=1)
-  verify_fn = jax.jit(lambda params, state, drafts, logits: verify(
-      nnx.merge(graphdef, params), state, drafts, logits, config), donate_argnums=1)
+  verify_fn = jax.jit(lambda params, state, drafts, draft_probs: verify(
+      nnx.merge(graphdef, params), state, drafts, draft_probs, config), donate_argnums=1)
   select_fn = jax.jit(lambda state, *rest: select_kv(state, *rest, config), donate_argnums=0)
   return draft_fn, verify_fn, select_fn
 

@@ -220,7 +220,8 @@ def topk_select(scores: jax.Array, lengths: jax.Array, *, ratio: float, min_toke
     if scores.dtype != jnp.bfloat16:
       raise ValueError(f"method='pallas' takes bf16 scores, got {scores.dtype}")
     if 16 % digit or block < 16 or block & (block - 1):
-      raise ValueError(f"digit must divide 16 and block be a power of two >= 16; got {digit}, {block}")
+      raise ValueError("digit must divide 16 and block be a power of two >= 16; "
+                       f"got {digit}, {block}")
     idx = _topk_pallas(scores, lengths.astype(jnp.int32), counts, k_max, block=block, digit=digit,
                        num_warps=num_warps, interpret=interpret)
     return idx, counts

@@ -47,8 +47,8 @@ Kernel (`verify_attention`), flash-decoding:
     [block_k, R] product (R = T rounded up to 16) stored key-major as [B, Hkv, S, R] f32 (4R bytes
     per key and KV head); 'weights' by a second pass over K like the collected weights, each row's
     G heads summed by an MMA with a 0/1 grouping matrix. Checked against the reference on an H200;
-    dear there: Qwen3-8B B=4 x 131072, T=8: 870-883 us (logits) and 908-937 (weights) against 496-507
-    with scores off; Qwen2.5-0.5B B=64 x 16384, T=5: 317 / 383 against 149. The [S, R] f32 output
+    dear there: Qwen3-8B B=4 x 131072, T=8: 870-883 us (logits) and 908-937 (weights) against
+    496-507 with scores off; Qwen2.5-0.5B B=64 x 16384, T=5: 317 / 383 against 149. The [S, R] f32 output
     (R = 16 columns for T <= 16) is as many bytes as a quarter to half of K, and XLA transposes it
     afterwards; storing only T columns in bf16 is the next step.
   * scores off compiles the kernel without any score code: it costs nothing extra.
@@ -200,18 +200,19 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     if score_mode == "sum":
       # k [bk, D] @ qsum^T: keys on the rows of the product, so the hi + lo sum stays inside a
       # warp; summing the collected rows of q.k^T instead spans all warps (2-3x dearer, H200).
-      partial = jnp.sum(online_softmax.dot_t(k, qsum), axis=1)                   # [bk]
+      partial = jnp.sum(online_softmax.dot_t(k, qsum), axis=1)           # [bk]
       if masked:
         plgpu.store(score_ref.at[pl.ds(j0, block_k)], partial, mask=live)
       else:
         score_ref[pl.ds(j0, block_k)] = partial
     elif score_mode == "rows":
-      partial = online_softmax.dot_t(k, q_hi) + online_softmax.dot_t(k, q_lo)                  # [bk, R], keys on the rows
+      # [bk, R], keys on the rows, as for 'sum'
+      partial = online_softmax.dot_t(k, q_hi) + online_softmax.dot_t(k, q_lo)
       if masked:
         plgpu.store(score_ref.at[pl.ds(j0, block_k), :], partial, mask=live[:, None])
       else:
         score_ref[pl.ds(j0, block_k), :] = partial
-    s = online_softmax.dot_t(q, k) * qk_scale                                      # [M, bk] f32
+    s = online_softmax.dot_t(q, k) * qk_scale                            # [M, bk] f32
     if masked:
       s = jnp.where(cols[None, :] <= length + row_t[:, None], s, NEG_INF)
     return online_softmax.update(carry, s, v)
@@ -282,12 +283,12 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: floa
     cols = j0 + jnp.arange(block_k)
     live = cols < end
     k = plgpu.load(k_ref.at[pl.ds(j0, block_k), :], mask=live[:, None], other=0.)
-    s = online_softmax.dot_t(k, q) * qk_scale - lse[None, :]                      # [bk, M]
+    s = online_softmax.dot_t(k, q) * qk_scale - lse[None, :]             # [bk, M]
     # Zero the keys a row does not see: the -inf they get is applied later, but their exp is
     # unbounded, and an inf times another row's 0 in the group product below would be NaN.
     p = jnp.where(cols[:, None] <= length + row_t[None, :], jnp.exp2(s), 0.)
     p_hi, p_lo = _hi_lo(p, q.dtype)
-    w = online_softmax.dot(p_hi, group) + online_softmax.dot(p_lo, group)   # [bk, R]
+    w = online_softmax.dot(p_hi, group) + online_softmax.dot(p_lo, group)  # [bk, R]
     plgpu.store(w_ref.at[pl.ds(j0, block_k), :], w, mask=live[:, None])
     return _
 
