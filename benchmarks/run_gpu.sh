@@ -9,7 +9,9 @@
 #   decode      vanilla decode roofline runs (issue 2)
 #   sweep       Vegas's (gamma, ratio) tuning on the long workload, Fig. 8 / Fig. 13 PNGs (issue 5)
 #   long, short continuous-batching runs of every method (issue 5), at GAMMA / RATIO from the sweep
-#               (METHODS overrides the method list; WARMUP / MEASURE the window, default 6 / 12 s)
+#               (METHODS overrides the method list; WARMUP / MEASURE the window, default 6 / 12 s;
+#               BATCH the decode slots, default 128: the issue's cap, the most KV that it allows;
+#               SUFFIX is appended to the output file's name)
 #   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round (issue 5)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 JAXSPEC_DATA=.data
@@ -40,6 +42,7 @@ for step in "$@"; do
       head -c 600 "$OUT/smoke_none.txt"; echo
       cmp "$OUT/smoke_none.txt" "$OUT/smoke_vegas.txt" && echo "smoke: vegas == vanilla (greedy)" ;;
     decode)
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.8   # torch's copy (the ceiling) needs room beside JAX
       python3 -m benchmarks.decode --model=$CKPT --batch_sizes=1,16,64 \
         --contexts=4096,16384,32768 --steps=16 --reps=3 --out=$OUT/decode_qwen05.json 2>&1 | tail -12
       python3 -m benchmarks.decode --model=random:qwen3-8b --batch_sizes=4 --contexts=131072 \
@@ -52,14 +55,15 @@ for step in "$@"; do
     long|short)
       # GAMMA and RATIO: the sweep's choice. --ignore_eos: the 0.5B coder ends most answers early;
       # the paper's workloads keep long contexts and outputs.
-      if [ $step = long ]; then extra="--batch=64 --max_new_tokens=1024"; else extra="--batch=128 --max_new_tokens=4096"; fi
-      python3 -m benchmarks.throughput --model=$CKPT --workload=$step $extra \
+      if [ $step = long ]; then extra="--max_new_tokens=1024"; else extra="--max_new_tokens=4096"; fi
+      python3 -m benchmarks.throughput --model=$CKPT --workload=$step --batch=${BATCH:-128} $extra \
         --methods=${METHODS:-none,streaming,quest,specextend,vegas-all,vegas,vegas@${RATIO:-0.07}} \
         --gammas=default=${GAMMA:-6} --ignore_eos --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
-        --out=$OUT/throughput_$step$TAG.json 2>&1 | grep -v "^[IW]1" | tail -10 ;;
+        --out=$OUT/throughput_$step$TAG${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -10 ;;
     scale)
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.8   # torch's copy (the ceiling) needs room beside JAX
       python3 -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4 \
-        --context=131072 --methods=none,streaming,vegas --gammas=default=${GAMMA:-6} \
+        --context=131072 --methods=${METHODS:-none,streaming,vegas} --gammas=default=${GAMMA:-6} \
         --out=$OUT/throughput_scale.json 2>&1 | grep -v "^[IW]1" | grep "^{" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
