@@ -36,8 +36,10 @@ class Engine:
       self.config = speculative.SpecConfig(policy=policy, gamma=gamma, sampling=sampling,
                                            stop_ids=stop_ids, backend=backend)
 
-  def prefill(self, prompts, max_new, seed):
-    batch = decode.make_batch(prompts, max_new, self.max_len, spare=self.spare)
+  def prefill(self, prompts, max_new, seed, budget=None):
+    """A state for `prompts` with room for max_new tokens each; `budget` (default max_new) is how
+    many they may generate."""
+    batch = decode.make_batch(prompts, budget or max_new, self.max_len, spare=self.spare)
     args = (self.graphdef, self.params, jnp.asarray(batch.prompts), jnp.asarray(batch.prompt_lens),
             jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
     if self.config is None:
@@ -77,10 +79,14 @@ def _put(state, fresh, slot: int, batch: int):
 
 
 def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *, chunk: int,
-          warmup_s: float, measure_s: float, seed: int = 0,
+          warmup_s: float, measure_s: float, seed: int = 0, stagger: bool = False,
           on_finish: Callable[[int, np.ndarray], None] | None = None) -> tuple[dict, object]:
   """Continuous batching over the request stream.
 
+  stagger: the first B requests may generate max_new * (i + 1) / B tokens (slot i), every later
+  one max_new. Requests of one length that start together also finish together, so the window
+  would see waves of B refills and little decoding between them; staggered, the slots finish
+  evenly spread over one request's lifetime, as in a server that has been running for a while.
   Returns (the measured window's numbers, the final state: a steady-state batch to profile).
   `on_finish(request index, its new tokens)` runs for every request that finishes (tests use it
   to check that a request served in a refilled slot gets the tokens it would get alone).
@@ -94,7 +100,8 @@ def serve(engine: Engine, prompts: list[list[int]], batch: int, max_new: int, *,
   slot_req = [queue.popleft() for _ in range(batch)]
   reported = np.zeros(batch, bool)
   for slot, req in enumerate(slot_req):
-    state = _put(state, engine.prefill([prompts[req]], max_new, seed + req), slot, batch)
+    budget = max(1, max_new * (slot + 1) // batch) if stagger else max_new
+    state = _put(state, engine.prefill([prompts[req]], max_new, seed + req, budget), slot, batch)
 
   def finish(slots):
     for slot in slots:

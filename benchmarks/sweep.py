@@ -121,8 +121,9 @@ def main(argv):
     if (g, r) not in tput:
       eng = Engine(loaded.model, _METHOD.value, g, sampling, stop_ids, capacity_len, backend,
                    sparsity=r, min_tokens=_MIN_TOKENS.value)
+      # Staggered first requests: slots finish spread out, not in waves (throughput --stagger).
       row, _ = serve(eng, prompts, _BATCH.value, _MAX_NEW.value, chunk=_CHUNK.value,
-                  warmup_s=_WARMUP.value, measure_s=_MEASURE.value)
+                     warmup_s=_WARMUP.value, measure_s=_MEASURE.value, stagger=True)
       # Decode-only: the refill prefills are the same work for every (gamma, ratio) and, with long
       # prompts and short windows, mostly noise (the first GPU sweep ranked by tokens/s with
       # refills and picked from that noise).

@@ -50,6 +50,22 @@ def test_every_request_gets_its_own_tokens(model, prompts, method, gamma, batch)
   assert row["tokens"] > 0 and row["tokens_per_s"] > 0
 
 
+def test_stagger_spreads_the_first_requests(model, prompts):
+  """stagger: the first B requests stop at max_new * (i + 1) / B tokens (their greedy tokens are a
+  prefix of the request's alone), later ones at max_new."""
+  capacity_len = max(PROMPT_LENS) + MAX_NEW
+  eng = Engine(model, "vegas", 2, SamplingParams(), (), capacity_len, "reference", sparsity=0.2,
+               min_tokens=4)
+  got = {}
+  serve(eng, prompts, 3, MAX_NEW, chunk=2, warmup_s=0.0, measure_s=1e9, stagger=True,
+        on_finish=lambda req, tokens: got.setdefault(req, tokens.tolist()))
+  assert sorted(got) == list(range(len(prompts)))
+  assert [len(got[i]) for i in range(len(prompts))] == [3, 6, 10, 10, 10, 10, 10]
+  for i, p in enumerate(prompts):
+    alone, _ = generate(model, [p], max_new_tokens=MAX_NEW, max_len=capacity_len)
+    assert got[i] == alone[0][:len(got[i])], f"request {i}"
+
+
 def test_kernel_times_counts_only_gpu_stream_lines():
   from benchmarks.common import kernel_times
   meta = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind, args=dict(name=name))
