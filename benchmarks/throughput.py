@@ -12,13 +12,13 @@ filled to --context tokens: time per step / round only; acceptance means nothing
 For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
 boundary (every --chunk_rounds rounds) its slot is refilled with the next request (prefill of one
 prompt + `jaxspec.batching.insert_slot`); with --stagger (default) the first B requests have
-staggered lengths, so finishes and refills spread evenly from the start. After --warmup_s seconds the harness counts, over
---measure_s seconds, the tokens produced and the wall time (refill prefills included, as a serving
-engine's throughput counter would; decode-only throughput is reported too), the mean accepted
-tokens per round, and (--profile) the drafting / verification / selection time shares
-(`speculative.time_phases`) over a few rounds of the serving batch as it stands at the end of the
-window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its own
-ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
+staggered lengths, so finishes and refills spread evenly from the start. After --warmup_s seconds
+the harness counts, over --measure_s seconds, the tokens produced and the wall time (refill prefills
+included, as a serving engine's throughput counter would; decode-only throughput is reported too),
+the mean accepted tokens per round, and (--profile) the drafting / verification / selection time
+shares (`speculative.time_phases`) over a few rounds of the serving batch as it stands at the end of
+the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its
+own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
 (gamma, ratio).
 """
 from __future__ import annotations
@@ -64,8 +64,8 @@ _TOP_K = flags.DEFINE_integer("top_k", 20, "")
 _SEED = flags.DEFINE_integer("seed", 0, "")
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens for every request "
                                  "(steady long contexts when the model would stop early)")
-_STAGGER = flags.DEFINE_bool("stagger", True, "the first B requests stop after max_new * (i + 1) / B "
-                             "tokens, so slots finish spread out as in a long-running server "
+_STAGGER = flags.DEFINE_bool("stagger", True, "the first B requests stop after max_new * (i + 1) "
+                             "/ B tokens, so slots finish spread out as in a long-running server "
                              "(not all at once, then B refills in a row)")
 _TRACE = flags.DEFINE_bool("trace", False, "scale workload: GPU time per kernel of one chunk "
                            "(jax.profiler) in the JSON")
