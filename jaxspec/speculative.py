@@ -122,7 +122,8 @@ def draft(model: Transformer, state: SpecState, config: SpecConfig
 
 
 def verify(model: Transformer, state: SpecState, drafts: jax.Array,
-           draft_probs: jax.Array | None, config: SpecConfig) -> tuple[SpecState, jax.Array | None, jax.Array, jax.Array]:
+           draft_probs: jax.Array | None, config: SpecConfig
+           ) -> tuple[SpecState, jax.Array | None, jax.Array, jax.Array]:
   """Full-attention verification of [last_token, drafts] in one pass, accept/reject, append.
 
   Returns (state with lengths moved and tokens appended, scores for the policy, first_row [B]

@@ -67,13 +67,18 @@ def topk_select_reference(scores, lengths, *, ratio: float, min_tokens: int, k_m
   return idx.astype(jnp.int32), counts
 
 
+def _flip16(bits):
+  """16-bit float bit patterns (NaN already gone) -> unsigned keys in the same order as the floats:
+  negatives reversed below 0x8000, non-negatives above it."""
+  return jnp.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)
+
+
 def _ordered_key(scores: jax.Array, in_prefix: jax.Array) -> tuple[jax.Array, int]:
   """Order-preserving unsigned keys; out-of-prefix positions get 0. Returns (keys, key bits)."""
   if jnp.dtype(scores.dtype).itemsize == 2:
     x = scores.astype(jnp.bfloat16) if scores.dtype != jnp.float16 else scores
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    key = jnp.where(bits >= 0x8000, jnp.uint32(0xFFFF) - bits, bits | jnp.uint32(0x8000))
+    key = _flip16(jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32))
     nbits = 16
   else:
     x = scores.astype(jnp.float32)
@@ -137,8 +142,7 @@ def _select_kernel(len_ref, cnt_ref, bits_ref, idx_ref, *, block: int, digit: in
     live = pos < length
     bits = plgpu.load(bits_ref.at[pl.ds(i * block, block)], mask=live, other=0).astype(jnp.int32)
     bits = jnp.where((bits & 0x7FFF) > 0x7F80, 0xFF80, bits)            # NaN -> -inf
-    key = jnp.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)       # order-preserving
-    return pos, jnp.where(live, key, 0)                                 # as _ordered_key
+    return pos, jnp.where(live, _flip16(bits), 0)                       # as _ordered_key
 
   def count_at_least(cand):                              # cand [R] -> [R], or a scalar -> scalar
     def body(i, acc):
