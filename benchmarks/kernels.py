@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import copy_ceiling, device_name, git_commit, write_json
+from jaxspec.selection import budget
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 from pallas_kernels.sparse_attention import sparse_attention_reference
@@ -301,13 +302,13 @@ def check_all() -> bool:
     try:
       sc = rand(5, (4, 5000), dt)
       lengths = jnp.array([1, 100, 4321, 5000], jnp.int32)
-      r, cr = topk_select_reference(sc, lengths, ratio=0.07, min_tokens=16, k_max=400)
-      r = np.asarray(r)
+      k = budget(lengths, 0.07, 16, 400)
+      r = np.asarray(topk_select_reference(sc, lengths, k, k_max=400))
+      kn = np.asarray(k)
       for method in ("threshold", "pallas") if dt == jnp.bfloat16 else ("threshold",):
-        a, ca = topk_select(sc, lengths, ratio=0.07, min_tokens=16, k_max=400, method=method,
-                            interpret=FLAGS.interpret)
-        a, ca = np.asarray(a), np.asarray(ca)
-        good = all(set(a[i, :ca[i]]) == set(r[i, :ca[i]]) for i in range(4))
+        a = np.asarray(topk_select(sc, lengths, k, k_max=400, method=method,
+                                   interpret=FLAGS.interpret))
+        good = all(set(a[i, :kn[i]]) == set(r[i, :kn[i]]) for i in range(4))
         print(("PASS " if good else "FAIL ") + f"topk_select {method} {jnp.dtype(dt).name}",
               flush=True)
         ok &= good
@@ -413,7 +414,9 @@ def sparse_case(model, b, s, kk, t, per_head=False, sort=True, with_ref=True, va
 @guarded
 def topk_case(b, l, ratio, dtype):
   k_max = math.ceil(ratio * l)
-  sets = [(rand(30 + i, (b, l), dtype), jnp.full((b,), l, jnp.int32)) for i in range(8)]
+  lengths = jnp.full((b,), l, jnp.int32)
+  k = budget(lengths, ratio, 16, k_max)
+  sets = [(rand(30 + i, (b, l), dtype), lengths, k) for i in range(8)]
   nbytes = b * l * jnp.dtype(dtype).itemsize + b * k_max * 4
   name = f"topk_select B{b}xL{l} ratio {ratio} {jnp.dtype(dtype).name}"
   variants = [("threshold", {}), ("top_k", {})]
@@ -421,8 +424,8 @@ def topk_case(b, l, ratio, dtype):
     variants += [("pallas", dict(digit=2)), ("pallas", dict(digit=4)),
                  ("pallas", dict(digit=2, num_warps=8)), ("pallas", dict(digit=2, block=2048))]
   for method, knobs in variants:
-    fn = functools.partial(topk_select, ratio=ratio, min_tokens=16, k_max=k_max, method=method,
-                           interpret=FLAGS.interpret, **knobs)
+    fn = functools.partial(topk_select, k_max=k_max, method=method, interpret=FLAGS.interpret,
+                           **knobs)
     label = " ".join([method] + [f"{a}={x}" for a, x in knobs.items()])
     record(name, label, lambda fn=fn: time_jax(fn, sets), nbytes)
 

@@ -59,7 +59,6 @@ from jaxspec import pages
 from jaxspec.attention import AttentionPlan
 from jaxspec.kv_cache import KVCache
 from pallas_kernels import topk_select as _topk
-from pallas_kernels.topk_select import budget  # re-exported: the policies and tests use it here
 
 METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
 SCORE_KINDS = ("logits", "weights")
@@ -76,6 +75,13 @@ class Selection:
   page_max: jax.Array | None = None
 
 
+def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
+  """Tokens to keep per sequence: clamp(ceil(ratio * len), min_tokens, len), at most k_max
+  (ratio * len in float32)."""
+  want = jnp.ceil(ratio * lengths.astype(jnp.float32)).astype(jnp.int32)
+  return jnp.minimum(jnp.minimum(jnp.maximum(want, min_tokens), lengths), k_max).astype(jnp.int32)
+
+
 def static_k_max(capacity: int, ratio: float, min_tokens: int) -> int:
   """Static size of the index buffers: the largest budget any prefix length <= capacity needs."""
   return max(1, min(capacity, max(min_tokens, math.ceil(ratio * capacity))))
@@ -87,7 +93,8 @@ _TOPK_KERNEL_MIN_ROWS = 256
 
 def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_tokens: int,
                    k_max: int, backend: str = "reference") -> tuple[jax.Array, jax.Array]:
-  """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B]).
+  """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B]),
+  k = `budget(prefix, ratio, min_tokens, k_max)` positions per sequence in every layer.
 
   The sorting-free threshold select of `pallas_kernels.topk_select` (exact, ties to the lower
   position, positions ascending; at 24 layers x 64 sequences x 33K positions `lax.top_k` sorts
@@ -99,9 +106,10 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
   kernel = (backend == "pallas" and scores.dtype == jnp.bfloat16
             and n_layers * b >= _TOPK_KERNEL_MIN_ROWS)
   method = "pallas" if kernel else "threshold"
-  idx, cnt = _topk.topk_select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers),
-                               ratio=ratio, min_tokens=min_tokens, k_max=k_max, method=method)
-  return idx.reshape(n_layers, b, k_max), cnt.reshape(n_layers, b)
+  k = jnp.tile(budget(prefix, ratio, min_tokens, k_max), n_layers)     # [L * B]
+  idx = _topk.topk_select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers), k,
+                          k_max=k_max, method=method)
+  return idx.reshape(n_layers, b, k_max), k.reshape(n_layers, b)
 
 
 def _row_of_last_accepted(scores, accepted):

@@ -1,10 +1,12 @@
-"""Top-k selection of KV positions from criticality scores, at a sparsity ratio with a floor.
+"""Top-k selection of KV positions from criticality scores, k chosen per row by the caller.
 
   scores   [B, L]  (any float dtype; positions >= lengths[b] are ignored)
   lengths  [B]     prefix length to select from
-  k        = clamp(ceil(ratio * lengths[b]), min_tokens, lengths[b]), capped at the static k_max
-Returns (indices [B, k_max] int32, counts [B] int32): the first counts[b] entries are the selected
-positions; the rest are padding (value 0). NaN scores count as -inf.
+  k        [B]     int32, positions to keep, 0 <= k[b] <= min(lengths[b], k_max), already clamped
+                   by the caller (the selection policies' token budget; no policy lives here)
+  k_max    static size of the output
+Returns indices [B, k_max] int32: the first k[b] entries are the selected positions; the rest are
+padding (value 0). NaN scores count as -inf.
 Ties: both keep the lower position (lax.top_k's rule), so both return the same *set*.
 Order: the reference lists the selection in descending score order; `topk_select`'s threshold method
 lists it in ascending position order (what a gather over the cache wants anyway).
@@ -44,27 +46,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
-  """Tokens to keep per sequence: clamp(ceil(ratio * len), min_tokens, len), at most k_max."""
-  want = jnp.ceil(ratio * lengths.astype(jnp.float32)).astype(jnp.int32)
-  return jnp.minimum(jnp.minimum(jnp.maximum(want, min_tokens), lengths), k_max).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("ratio", "min_tokens", "k_max"))
-def topk_select_reference(scores, lengths, *, ratio: float, min_tokens: int, k_max: int):
-  if scores.ndim != 2 or lengths.shape != scores.shape[:1]:
-    raise ValueError(f"expected scores [B, L] and lengths [B]; got {scores.shape}, {lengths.shape}")
+def _check(scores, lengths, k, k_max):
+  if scores.ndim != 2 or lengths.shape != scores.shape[:1] or k.shape != scores.shape[:1]:
+    raise ValueError("expected scores [B, L], lengths [B] and k [B]; "
+                     f"got {scores.shape}, {lengths.shape}, {k.shape}")
   if not 0 < k_max <= scores.shape[1]:
     raise ValueError(f"k_max={k_max} must be in [1, L={scores.shape[1]}]")
-  counts = budget(lengths, ratio, min_tokens, k_max)
+
+
+@functools.partial(jax.jit, static_argnames=("k_max",))
+def topk_select_reference(scores, lengths, k, *, k_max: int):
+  """lax.top_k over the prefix: indices [B, k_max], the first k[b] in descending score order."""
+  _check(scores, lengths, k, k_max)
   s = scores.astype(jnp.float32)
   s = jnp.where(jnp.isnan(s), -jnp.inf, s)
   # Out-of-prefix positions must lose against every real score, -inf included.
   in_prefix = jnp.arange(scores.shape[1])[None] < lengths[:, None]
   key = jnp.where(in_prefix, jnp.maximum(s, jnp.finfo(jnp.float32).min), -jnp.inf)
   _, idx = jax.lax.top_k(key, k_max)
-  idx = jnp.where(jnp.arange(k_max)[None] < counts[:, None], idx, 0)
-  return idx.astype(jnp.int32), counts
+  idx = jnp.where(jnp.arange(k_max)[None] < k[:, None], idx, 0)
+  return idx.astype(jnp.int32)
 
 
 def _flip16(bits):
@@ -126,14 +127,14 @@ def _compact(keep: jax.Array, k_max: int) -> jax.Array:
   return jnp.where(slots[None] <= rank[:, -1:], idx, 0).astype(jnp.int32)
 
 
-def _select_kernel(len_ref, cnt_ref, bits_ref, idx_ref, *, block: int, digit: int):
+def _select_kernel(len_ref, k_ref, bits_ref, idx_ref, *, block: int, digit: int):
   # len_ref  []       int32   prefix length of this row
-  # cnt_ref  []       int32   k, the positions to keep
+  # k_ref    []       int32   k, the positions to keep
   # bits_ref [L]      uint16  the row's 16-bit scores, bit patterns
   # idx_ref  [k_max]  int32   out: the kept positions ascending, then zeros
   # Every pass below re-reads the row; a program's own row (2 bytes a position) stays in L2
   # between passes, so HBM sees it about once.
-  length, k = len_ref[()], cnt_ref[()]
+  length, k = len_ref[()], k_ref[()]
   k_max = idx_ref.shape[0]
   n_blocks = (length + block - 1) // block
 
@@ -180,7 +181,7 @@ def _select_kernel(len_ref, cnt_ref, bits_ref, idx_ref, *, block: int, digit: in
   jax.lax.fori_loop(k // block, (k_max + block - 1) // block, pad, 0)
 
 
-def _topk_pallas(scores, lengths, counts, k_max, *, block, digit, num_warps, interpret):
+def _topk_pallas(scores, lengths, k, k_max, *, block, digit, num_warps, interpret):
   n, l = scores.shape
   bits = jax.lax.bitcast_convert_type(scores, jnp.uint16)    # no copy: a view of the same bytes
   return pl.pallas_call(
@@ -194,46 +195,42 @@ def _topk_pallas(scores, lengths, counts, k_max, *, block, digit, num_warps, int
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name=f"topk_select_d{digit}",
-  )(lengths, counts, bits)
+  )(lengths, k, bits)
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "min_tokens", "k_max", "method",
-                                             "interpret", "block", "digit", "num_warps"))
-def topk_select(scores: jax.Array, lengths: jax.Array, *, ratio: float, min_tokens: int,
-                k_max: int, method: str = "threshold", interpret: bool = False,
-                block: int = 1024, digit: int = 4, num_warps: int = 4
-                ) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("k_max", "method", "interpret", "block", "digit",
+                                             "num_warps"))
+def topk_select(scores: jax.Array, lengths: jax.Array, k: jax.Array, *, k_max: int,
+                method: str = "threshold", interpret: bool = False, block: int = 1024,
+                digit: int = 4, num_warps: int = 4) -> jax.Array:
   """Exact top-k positions per row; same contract as topk_select_reference (see module doc).
 
+  Returns indices [B, k_max] int32, the first k[b] of row b selected, the rest 0.
   method: 'threshold' (sorting-free XLA, positions in ascending order), 'pallas' (the same
   search in one Pallas program per row; bf16 scores only; `interpret`, `block` positions
   per tile, `digit` bits decided per pass and `num_warps` apply to it) or 'top_k' (lax.top_k,
   descending score order, i.e. the reference itself).
   """
-  if scores.ndim != 2 or lengths.shape != scores.shape[:1]:
-    raise ValueError(f"expected scores [B, L] and lengths [B]; got {scores.shape}, {lengths.shape}")
-  if not 0 < k_max <= scores.shape[1]:
-    raise ValueError(f"k_max={k_max} must be in [1, L={scores.shape[1]}]")
+  _check(scores, lengths, k, k_max)
+  k = k.astype(jnp.int32)
   if method == "top_k":
-    return topk_select_reference(scores, lengths, ratio=ratio, min_tokens=min_tokens, k_max=k_max)
+    return topk_select_reference(scores, lengths, k, k_max=k_max)
   if method not in ("threshold", "pallas"):
     raise ValueError(f"method must be 'threshold', 'pallas' or 'top_k', got {method!r}")
   b, l = scores.shape
-  counts = budget(lengths, ratio, min_tokens, k_max)
   if method == "pallas":
     if scores.dtype != jnp.bfloat16:
       raise ValueError(f"method='pallas' takes bf16 scores, got {scores.dtype}")
     if 16 % digit or block < 16 or block & (block - 1):
       raise ValueError("digit must divide 16 and block be a power of two >= 16; "
                        f"got {digit}, {block}")
-    idx = _topk_pallas(scores, lengths.astype(jnp.int32), counts, k_max, block=block, digit=digit,
-                       num_warps=num_warps, interpret=interpret)
-    return idx, counts
+    return _topk_pallas(scores, lengths.astype(jnp.int32), k, k_max, block=block, digit=digit,
+                        num_warps=num_warps, interpret=interpret)
   in_prefix = jnp.arange(l)[None] < lengths[:, None]
   key, nbits = _ordered_key(scores, in_prefix)
-  thresh = _kth_key(key, nbits, counts)
+  thresh = _kth_key(key, nbits, k)
   gt = key > thresh[:, None]
   eq = key == thresh[:, None]
-  take_eq = counts - jnp.sum(gt, axis=1, dtype=jnp.int32)          # ties: lowest positions first
+  take_eq = k - jnp.sum(gt, axis=1, dtype=jnp.int32)               # ties: lowest positions first
   keep = gt | (eq & (jnp.cumsum(eq, axis=1, dtype=jnp.int32) <= take_eq[:, None]))
-  return _compact(keep, k_max), counts
+  return _compact(keep, k_max)

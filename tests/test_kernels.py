@@ -311,6 +311,25 @@ def test_sparse_attention_bad_shapes():
 _PALLAS_TOPK = dict(method="pallas", interpret=True, block=64)   # 700 = 10 blocks + 60
 
 
+def _budget(lengths, ratio, min_tokens, k_max):
+  """The selection policies' k (clamp(ceil(ratio * len), min_tokens, len), at most k_max), in
+  numpy: the kernels take k as given."""
+  want = np.ceil(np.float32(ratio) * lengths.astype(np.float32))    # the budget rule is in f32
+  return np.minimum(np.minimum(np.maximum(want, min_tokens), lengths), k_max).astype(np.int32)
+
+
+def _check_topk(idx, ref, k, lengths):
+  """idx [B, k_max] from topk_select against the reference's ref, k[b] selected per row."""
+  idx, ref = np.asarray(idx), np.asarray(ref)
+  for i in range(idx.shape[0]):
+    c = k[i]
+    assert set(idx[i, :c]) == set(ref[i, :c])        # same set, ties to the lower position
+    assert np.all(np.diff(idx[i, :c]) > 0)           # ascending positions
+    assert np.all(idx[i, :c] < max(lengths[i], 1))
+    assert not idx[i, c:].any()                      # padding is 0
+    assert not ref[i, c:].any()
+
+
 @pytest.mark.parametrize("dtype,method", [(jnp.bfloat16, "threshold"), (jnp.float32, "threshold"),
                                           (jnp.bfloat16, "pallas-d2"), (jnp.bfloat16, "pallas-d4")])
 @pytest.mark.parametrize("data", ["normal", "ties", "special"])
@@ -324,34 +343,41 @@ def test_topk_select_matches_reference_set(dtype, method, data):
     x[:, 3::11] = np.nan
     x[:, 7] = np.inf
   lengths = np.array([0, 1, 333, l, int(_RNG.integers(1, l))], np.int32)
+  k = _budget(lengths, 0.07, 8, 60)
   scores = jnp.asarray(x, dtype)
-  kw = dict(ratio=0.07, min_tokens=8, k_max=60)
   knobs = dict(_PALLAS_TOPK, digit=int(method[-1])) if method.startswith("pallas") else {}
-  idx, cnt = tk.topk_select(scores, jnp.asarray(lengths), **kw, **knobs)
-  ref, ref_cnt = tk.topk_select_reference(scores, jnp.asarray(lengths), **kw)
-  idx, cnt, ref, ref_cnt = map(np.asarray, (idx, cnt, ref, ref_cnt))
-  np.testing.assert_array_equal(cnt, ref_cnt)
-  want = np.ceil(np.float32(0.07) * lengths.astype(np.float32))   # the budget rule is in f32
-  np.testing.assert_array_equal(cnt, np.minimum(np.minimum(np.maximum(want, 8), lengths), 60))
-  for i in range(b):
-    c = cnt[i]
-    assert set(idx[i, :c]) == set(ref[i, :c])        # same set, ties to the lower position
-    assert np.all(np.diff(idx[i, :c]) > 0)           # ascending positions
-    assert np.all(idx[i, :c] < max(lengths[i], 1))
-    assert not idx[i, c:].any()                      # padding is 0
+  idx = tk.topk_select(scores, jnp.asarray(lengths), jnp.asarray(k), k_max=60, **knobs)
+  ref = tk.topk_select_reference(scores, jnp.asarray(lengths), jnp.asarray(k), k_max=60)
+  _check_topk(idx, ref, k, lengths)
+
+
+@pytest.mark.parametrize("method", ["threshold", "pallas"])
+def test_topk_select_takes_any_k_per_row(method):
+  """k is the caller's: none, one, all of the prefix, k_max, and anything between, per row."""
+  b, l, k_max = 6, 300, 120
+  scores = jnp.asarray(np.round(_RNG.standard_normal((b, l)) * 3), jnp.bfloat16)   # with ties
+  lengths = np.array([300, 300, 50, 50, 200, 7], np.int32)
+  k = np.array([0, 120, 50, 1, int(_RNG.integers(2, 120)), 7], np.int32)
+  knobs = _PALLAS_TOPK if method == "pallas" else {}
+  idx = tk.topk_select(scores, jnp.asarray(lengths), jnp.asarray(k), k_max=k_max, **knobs)
+  ref = tk.topk_select_reference(scores, jnp.asarray(lengths), jnp.asarray(k), k_max=k_max)
+  _check_topk(idx, ref, k, lengths)
+  np.testing.assert_array_equal(np.asarray(idx)[2, :50], np.arange(50))   # k = the whole prefix
 
 
 def test_topk_select_top_k_method_is_reference():
   scores = _normal((3, 200), jnp.float32)
   lengths = jnp.array([5, 100, 200], jnp.int32)
-  a = tk.topk_select(scores, lengths, ratio=0.1, min_tokens=2, k_max=20, method="top_k")
-  r = tk.topk_select_reference(scores, lengths, ratio=0.1, min_tokens=2, k_max=20)
-  for x, y in zip(a, r):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  k = jnp.asarray(_budget(np.asarray(lengths), 0.1, 2, 20))
+  a = tk.topk_select(scores, lengths, k, k_max=20, method="top_k")
+  r = tk.topk_select_reference(scores, lengths, k, k_max=20)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
   with pytest.raises(ValueError):
-    tk.topk_select(scores, lengths, ratio=0.1, min_tokens=2, k_max=201)
+    tk.topk_select(scores, lengths, k, k_max=201)
   with pytest.raises(ValueError):
-    tk.topk_select(scores, lengths[:2], ratio=0.1, min_tokens=2, k_max=20)
+    tk.topk_select(scores, lengths[:2], k, k_max=20)
+  with pytest.raises(ValueError):
+    tk.topk_select(scores, lengths, k[:2], k_max=20)
 
 
 def test_topk_select_pallas_equals_threshold_and_checks_its_input():
@@ -360,12 +386,11 @@ def test_topk_select_pallas_equals_threshold_and_checks_its_input():
   x = _RNG.standard_normal((6, 1000)).astype(np.float32) * np.exp(_RNG.uniform(-30, 30, (6, 1)))
   scores = jnp.asarray(x, jnp.bfloat16)
   lengths = jnp.array([1000, 999, 513, 64, 1, 0], jnp.int32)
-  kw = dict(ratio=0.3, min_tokens=16, k_max=300)
-  a = tk.topk_select(scores, lengths, **kw, **_PALLAS_TOPK)
-  r = tk.topk_select(scores, lengths, **kw, method="threshold")
-  for x, y in zip(a, r):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  k = jnp.asarray(_budget(np.asarray(lengths), 0.3, 16, 300))
+  a = tk.topk_select(scores, lengths, k, k_max=300, **_PALLAS_TOPK)
+  r = tk.topk_select(scores, lengths, k, k_max=300, method="threshold")
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
   with pytest.raises(ValueError, match="bf16"):
-    tk.topk_select(scores.astype(jnp.float32), lengths, **kw, **_PALLAS_TOPK)
+    tk.topk_select(scores.astype(jnp.float32), lengths, k, k_max=300, **_PALLAS_TOPK)
   with pytest.raises(ValueError, match="digit"):
-    tk.topk_select(scores, lengths, **kw, **dict(_PALLAS_TOPK, digit=3))
+    tk.topk_select(scores, lengths, k, k_max=300, **dict(_PALLAS_TOPK, digit=3))

@@ -190,12 +190,23 @@ def test_selection_topk_picks_the_reference_set():
   prefix = jnp.asarray([128, 100, 64, 17, 5, 90])
   args = dict(ratio=0.1, min_tokens=3, k_max=13)
   idx, cnt = selection.per_layer_topk(scores, prefix, **args)
+  p = np.asarray(prefix)
+  want = np.ceil(np.float32(0.1) * p.astype(np.float32))           # the budget rule, in f32
+  want = np.minimum(np.minimum(np.maximum(want, 3), p), 13)
   for layer in range(2):
-    ref_idx, ref_cnt = topk_select_reference(scores[layer], prefix, **args)
-    np.testing.assert_array_equal(cnt[layer], ref_cnt)
+    ref_idx = topk_select_reference(scores[layer], prefix, jnp.asarray(want, jnp.int32), k_max=13)
+    np.testing.assert_array_equal(cnt[layer], want)
     for b in range(6):
       c = int(cnt[layer, b])
       assert set(np.asarray(idx[layer, b, :c]).tolist()) == set(np.asarray(ref_idx[b, :c]).tolist())
+
+
+def test_budget_rule_is_in_float32():
+  """k = clamp(ceil(ratio * len), min_tokens, len), at most k_max, with ratio * len in f32."""
+  lengths = np.arange(701, dtype=np.int32)            # 0, 1, ..., and every length up to 700
+  want = np.ceil(np.float32(0.07) * lengths.astype(np.float32))
+  np.testing.assert_array_equal(selection.budget(jnp.asarray(lengths), 0.07, 8, 60),
+                                np.minimum(np.minimum(np.maximum(want, 8), lengths), 60))
 
 
 def test_static_k_max_covers_every_budget():
