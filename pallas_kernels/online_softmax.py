@@ -1,22 +1,28 @@
-"""The flash-attention inner-loop step, shared by `verify_attention` and `sparse_attention`.
+"""The flash-decoding pieces `verify_attention` and `sparse_attention` share.
 
-Each kernel program keeps, for its M query rows, an unnormalised accumulator acc [M, D] f32, the
-running max m [M] f32 of the base-2 logits seen so far and the softmax denominator l [M] f32. The
-caller computes one block of logits s [M, bk] (scaled by sm_scale * LOG2E, masked entries -inf) and
-`update` folds it and its V block in. The kernels store (acc, m, l) unnormalised; the split
-partials are merged and normalised by `verify_attention.combine_splits`.
+Both kernels put all G x T query rows of one KV head in one [M, D] tile (`pack_queries`, M =
+`pow2_rows(T * G)`), split the keys of each (sequence, KV head) over several programs
+(`default_splits`), and run the same inner loop in each program: it keeps, for its M query rows,
+an unnormalised accumulator acc [M, D] f32, the running max m [M] f32 of the base-2 logits seen so
+far and the softmax denominator l [M] f32. The caller computes one block of logits s [M, bk]
+(scaled by sm_scale * LOG2E, masked entries -inf) and `update` folds it and its V block in. The
+kernels store (acc, m, l) unnormalised; `combine_splits` merges and normalises the split partials
+in XLA, and `unpack_queries` puts the rows back in [B, T, Hq, D].
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 LOG2E = 1.4426950408889634
+NEG_INF = float("-inf")
 # Finite start for running maxima: a block whose keys are all masked for a row then gives
 # exp2(-inf - (-1e30)) = 0 instead of exp2(-inf + inf) = NaN.
 MAX_INIT = -1e30
 
 State = tuple[jax.Array, jax.Array, jax.Array]   # (acc [M, D], m [M], l [M]), all f32
+DEFAULT_PROGRAMS = 528   # ~4 programs per SM on a 132-SM H100/H200
 
 
 def dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -45,3 +51,52 @@ def update(state: State, s: jax.Array, v: jax.Array) -> State:
   # p in V's dtype (bf16) so the p.V product runs on the tensor cores, accumulating in f32.
   acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
   return acc, m_new, l_new
+
+
+# ----------------------------------------------------------------------------------------------
+# Around the kernels (XLA): the query tile, the grid, the merge of the splits
+
+def pow2_rows(n: int) -> int:
+  """Rows of a query tile holding n rows: a power of two, at least 16 (what tl.dot takes)."""
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def pack_queries(q: jax.Array, hkv: int, m_rows: int) -> jax.Array:
+  """q [B, T, Hq, D] -> [B, Hkv, M, D]: each KV head's T*G query rows, row r = t*G + g, zero rows
+  up to M = m_rows."""
+  b, t, hq, d = q.shape
+  g = hq // hkv
+  qp = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+  return jnp.pad(qp, ((0, 0), (0, 0), (0, m_rows - t * g), (0, 0)))
+
+
+def unpack_queries(o: jax.Array, t: int, g: int) -> jax.Array:
+  """[B, Hkv, M, D] rows packed as `pack_queries` does -> [B, T, Hq, D], padding rows dropped."""
+  b, hkv, _, d = o.shape
+  return o[:, :, :t * g].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hkv * g, d)
+
+
+def default_splits(batch_heads: int, blocks: int, programs: int = DEFAULT_PROGRAMS, *,
+                   at_most: bool = False) -> int:
+  """Splits per (sequence, KV head) so that the grid holds about `programs` programs.
+
+  at_most: never more than `programs`. The dense kernel at head_dim 128 and block_k 128 holds one
+  program per SM (232 registers a thread, 213 KB of shared memory: ncu on an H200), so a few
+  programs past whole waves cost a whole extra wave: on an H200, Qwen3-8B B=4 (32 sequence-head
+  pairs), 17 splits (544 programs) took 540.9 us and 16 splits 498.5 us.
+  """
+  n = programs // batch_heads if at_most else pl.cdiv(programs, batch_heads)
+  return max(1, min(n, blocks))
+
+
+def combine_splits(o, m, l):
+  """Merge flash-decoding partials. o [...,P,M,D], m/l [...,P,M] -> (out [...,M,D], lse2 [...,M]).
+
+  lse2 is the base-2 log-sum-exp of the scaled logits. Rows with nothing visible get out = 0.
+  """
+  m_max = jnp.max(m, axis=-2)
+  w = jnp.exp2(m - m_max[..., None, :])
+  l_sum = jnp.sum(w * l, axis=-2)
+  acc = jnp.sum(w[..., None] * o, axis=-3)
+  out = acc / jnp.maximum(l_sum, 1e-30)[..., None]
+  return out, m_max + jnp.log2(l_sum)

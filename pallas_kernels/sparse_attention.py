@@ -23,7 +23,7 @@ Kernel (`sparse_attention`), flash-decoding over the index list:
   * shared indices [B, K] are read by every KV head's programs (from L2 after the first); per-head
     indices [B, Hkv, K] give each head its own list and count.
   * each program writes an unnormalised partial; the same XLA combine as verify_attention merges
-    them (`verify_attention.combine_splits`).
+    them (`online_softmax.combine_splits`).
 
 Defaults (measured on an H100, benchmarks/NOTES_kernels.md): block_k 32 rows per gather; about
 4 programs per SM for T*G <= 16 rows and 8 above (T = 8: 221 us with 8 splits against 271 with 5).
@@ -47,8 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import online_softmax
-from pallas_kernels.verify_attention import NEG_INF, _pow2_rows, combine_splits
-from pallas_kernels.verify_attention import default_splits
+from pallas_kernels.online_softmax import NEG_INF, combine_splits, default_splits, pow2_rows
 
 
 def _check(q, k, v, indices, counts, tail_start, lengths):
@@ -265,17 +264,15 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
   indices = indices.astype(jnp.int32)
   if kk == 0:   # nothing selected: one padding entry that count 0 never reads
     indices = jnp.zeros(indices.shape[:-1] + (1,), jnp.int32)
-  m_rows = _pow2_rows(t * g)
+  m_rows = pow2_rows(t * g)
   # Measured on an H100 (benchmarks/NOTES_kernels.md): with one 16-row tile (T=1) ~4 programs
   # per SM is best; with 32+ rows each gathered block costs more arithmetic and ~8 per SM is.
-  programs = 528 if m_rows <= 16 else 1024
+  programs = online_softmax.DEFAULT_PROGRAMS if m_rows <= 16 else 1024
   splits = num_splits or default_splits(b * hkv, pl.cdiv(indices.shape[-1], block_k), programs)
-  qp = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_rows - t * g), (0, 0)))
+  qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g
   parts = jax.vmap(functools.partial(
       _sparse_unbatched, sm_scale=scale, t=t, g=g, block_k=block_k, num_splits=splits,
       tail_splits=tail_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret))(
           qp, k, v, indices, counts, tail_start.astype(jnp.int32), lengths.astype(jnp.int32))
   o, _ = combine_splits(*parts)                         # [B,Hkv,M,D]
-  out = o[:, :, :t * g].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-  return out.astype(q.dtype)
+  return online_softmax.unpack_queries(o, t, g).astype(q.dtype)

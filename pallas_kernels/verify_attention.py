@@ -80,9 +80,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import online_softmax
+from pallas_kernels.online_softmax import NEG_INF, combine_splits, default_splits, pow2_rows
 
-NEG_INF = float("-inf")
-_DEFAULT_PROGRAMS = 528   # ~4 programs per SM on a 132-SM H100/H200
 _SCORED_PROGRAMS = 792    # ~6 per SM: 'logits' scores with 64 query rows (see verify_attention)
 
 
@@ -398,36 +397,6 @@ def _row_queries(qp: jax.Array, t: int, g: int, r_rows: int, dtype) -> jax.Array
   return jnp.concatenate([jnp.pad(x, pad) for x in _hi_lo(rows, dtype)], axis=2)
 
 
-def _pow2_rows(n: int) -> int:
-  return max(16, 1 << (n - 1).bit_length())
-
-
-def default_splits(batch_heads: int, blocks: int, programs: int = _DEFAULT_PROGRAMS, *,
-                   at_most: bool = False) -> int:
-  """Splits per (sequence, KV head) so that the grid holds about `programs` programs.
-
-  at_most: never more than `programs`. The dense kernel at head_dim 128 and block_k 128 holds one
-  program per SM (232 registers a thread, 213 KB of shared memory: ncu on an H200), so a few
-  programs past whole waves cost a whole extra wave: on an H200, Qwen3-8B B=4 (32 sequence-head
-  pairs), 17 splits (544 programs) took 540.9 us and 16 splits 498.5 us.
-  """
-  n = programs // batch_heads if at_most else pl.cdiv(programs, batch_heads)
-  return max(1, min(n, blocks))
-
-
-def combine_splits(o, m, l):
-  """Merge flash-decoding partials. o [...,P,M,D], m/l [...,P,M] -> (out [...,M,D], lse2 [...,M]).
-
-  lse2 is the base-2 log-sum-exp of the scaled logits. Rows with nothing visible get out = 0.
-  """
-  m_max = jnp.max(m, axis=-2)
-  w = jnp.exp2(m - m_max[..., None, :])
-  l_sum = jnp.sum(w * l, axis=-2)
-  acc = jnp.sum(w[..., None] * o, axis=-3)
-  out = acc / jnp.maximum(l_sum, 1e-30)[..., None]
-  return out, m_max + jnp.log2(l_sum)
-
-
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
     "num_warps", "num_stages"))
@@ -467,7 +436,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   g = hq // hkv
   scale = d ** -0.5 if sm_scale is None else sm_scale
   rows = None if score_kind is None else normalize_rows(score_rows, t)
-  m_rows = _pow2_rows(t * g)
+  m_rows = pow2_rows(t * g)
   if num_splits:
     splits = num_splits
   elif score_kind == "logits" and m_rows >= 64:
@@ -479,14 +448,12 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   else:
     splits = default_splits(b * hkv, pl.cdiv(s, block_k), at_most=True)
 
-  # [B,T,Hq,D] -> [B,Hkv,T*G,D] (row r = t*G + g), zero-padded to M rows.
-  qp = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-  qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_rows - t * g), (0, 0)))
+  qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g
   lengths = lengths.astype(jnp.int32)
   common = dict(block_k=block_k, num_splits=splits, num_warps=num_warps,
                 num_stages=num_stages, interpret=interpret)
   row_idx = [] if rows is None else [r * g + i for r in rows for i in range(g)]   # packed rows
-  r_rows = _pow2_rows(t)                                  # score columns in per-row mode
+  r_rows = pow2_rows(t)                                  # score columns in per-row mode
   score_mode, qsum = None, None
   if score_kind == "logits" and per_row:
     score_mode, qsum = "rows", _row_queries(qp, t, g, r_rows, k.dtype)
@@ -495,8 +462,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
                                     score_mode=score_mode, **common))(qp, k, v, lengths, qsum)
   o, lse2 = combine_splits(*outs[:3])                   # [B,Hkv,M,D], [B,Hkv,M]
-  out = o[:, :, :t * g].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-  out = out.astype(q.dtype)
+  out = online_softmax.unpack_queries(o, t, g).astype(q.dtype)
   if score_kind is None:
     return out, None
 
@@ -519,7 +485,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   else:
     # Rematerialise: the collected rows' weights need the final lse, known only now.
     r_idx = jnp.asarray(row_idx)
-    mc = _pow2_rows(len(row_idx))
+    mc = pow2_rows(len(row_idx))
     qc = jnp.pad(qp[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g), (0, 0)))
     lc = jnp.pad(lse2[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g)),
                  constant_values=jnp.inf)

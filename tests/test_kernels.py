@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import online_softmax
 from pallas_kernels import sparse_attention as sp
 from pallas_kernels import topk_select as tk
 from pallas_kernels import verify_attention as va
@@ -201,10 +202,11 @@ def test_verify_partials_fully_written():
 
 
 def test_default_splits_stay_within_the_program_budget():
-  assert va.default_splits(32, 1024, 528, at_most=True) == 16      # 512 programs, not 544
-  assert va.default_splits(32, 1024, 528) == 17                    # the sparse kernel's rounding
-  assert va.default_splits(1000, 1024, 528, at_most=True) == 1     # never zero
-  assert va.default_splits(4, 3, 528, at_most=True) == 3           # never more than the blocks
+  splits = online_softmax.default_splits
+  assert splits(32, 1024, 528, at_most=True) == 16      # 512 programs, not 544
+  assert splits(32, 1024, 528) == 17                    # the sparse kernel's rounding
+  assert splits(1000, 1024, 528, at_most=True) == 1     # never zero
+  assert splits(4, 3, 528, at_most=True) == 3           # never more than the blocks
 
 
 def test_verify_attention_bad_shapes():
