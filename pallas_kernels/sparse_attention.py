@@ -13,7 +13,9 @@ Query row t sees {indices[b, :counts[b]]} U {j : tail_start[b] <= j <= lengths[b
 Indices must be distinct within a list and < tail_start (what `topk_select` returns); the kernel,
 unlike the reference, would count a repeated index twice. A query row that sees nothing gets 0.
 
-Kernel (`sparse_attention`), flash-decoding over the index list:
+Kernel (`sparse_attention`), flash-decoding over the index list. Like `verify_attention` it is
+bound by the bytes it reads, here K/V rows scattered over the cache, so the tiling reads each
+selected row once for all query rows of its KV head:
   * grid (Hkv, P_sel + P_tail) per sequence (batch vmapped; KV head fastest, so the Hkv programs
     that gather the same token rows run side by side and share DRAM pages). Programs p < P_sel each
     take one contiguous chunk of the index list, load block_k indices, and gather those rows of K
@@ -22,20 +24,22 @@ Kernel (`sparse_attention`), flash-decoding over the index list:
     mask of the T new rows. All G x T query rows of a KV head share each gathered tile.
   * shared indices [B, K] are read by every KV head's programs (from L2 after the first); per-head
     indices [B, Hkv, K] give each head its own list and count.
-  * each program writes an unnormalised partial; the same XLA combine as verify_attention merges
-    them (`online_softmax.combine_splits`).
-
-Defaults (measured on an H100, benchmarks/NOTES_kernels.md): block_k 32 rows per gather; about
-4 programs per SM for T*G <= 16 rows and 8 above (T = 8: 221 us with 8 splits against 271 with 5).
-B=16, 8192 of 131072 positions, Qwen3-8B layer: 205 us at T = 1 (90% of the copy rate; the same
-for unsorted indices and per-head lists) and 221 us at T = 8 (84%); XLA gather + attention 1019
-and 1158 us.
+  * each program writes an unnormalised partial; the XLA combine `verify_attention` uses merges
+    them (`online_softmax`: the query tile, the split count and the combine are shared).
+  * defaults (measured on an H100, benchmarks/NOTES_kernels.md): block_k 32 rows per gather; about
+    4 programs per SM for T*G <= 16 query rows and 8 above, where each gathered block carries more
+    arithmetic (T = 8: 221 us with 8 splits against 271 with 5).
 
 Backend: Pallas's Triton lowering. Mosaic GPU cannot gather rows from global memory on Hopper (its
 TMA copies are tiled boxes; a per-row gather is Blackwell-only), and a page size of 1 rules out
 copying whole pages; Triton lowers a load with an integer-array index to a pointer per row, which
-is exactly the gather, and it reaches 90% of the copy rate here. Deprecated from jax 0.11 but
-present in 0.11.2.
+is exactly the gather.
+
+Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md "Kernels", fourth session, run 3):
+Qwen3-8B layer, B=16, 8192 of 131072 positions: 149.9 us at T = 1, 85.2% of the same run's device
+copy (unsorted indices 150.9, per-KV-head lists 151.8); 179.1 us at T = 8, 71.4%. Inside a Vegas
+round at Qwen2.5-0.5B shapes (B=64 x 24576; fifth session's trace): 0.59 ms per draft step (24
+layers). How the kernel got here: benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
 

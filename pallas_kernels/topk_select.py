@@ -18,23 +18,24 @@ lists it in ascending position order (what a gather over the cache wants anyway)
      the row, the keys at or above 15 candidate thresholds (4 passes for 16-bit keys, 8 for 32);
   3. keep every key above it and the first (k - #above) keys equal to it, in position order, and
      compact with a running count and a binary search per output slot (no scatter).
-method='pallas' runs the same search as a Pallas (Triton) kernel, one program per row, bf16 only:
-the digit passes, one count of the keys above the threshold and the emitting pass each re-read the
-row, which stays in L2 between passes (a row is 2 bytes a position), and the kept positions are
-written in order by a running count (a block-wise cumsum) with a scatter store. It is bound by the
-compares (digit=4: 15 per key per pass), not by memory.
-Measured on an H200 (jax 0.11.2, third and fourth sessions), bf16 scores, ratio 0.07:
-  B=16 x L=131072:          threshold 165-201 us, lax.top_k 380-397 us, kernel 699 us (16 programs
-                            for 132 SMs);
+method='pallas' runs the same search as a Pallas (Triton) kernel, bf16 only, grid (B,): one program
+per row, which walks its row in tiles of `block` positions. The digit passes, one count of the keys
+above the threshold and the emitting pass each re-read the row, which stays in L2 between passes
+(a row is 2 bytes a position), and the kept positions are written in order by a running count (a
+block-wise cumsum) with a scatter store. It is bound by the compares (digit=4: 15 per key per
+pass), not by memory; with one program a row it needs many rows to fill the GPU, so the per-layer
+selection (`jaxspec.selection.per_layer_topk`) runs the kernel from 256 rows and the XLA form
+below. method='top_k' is lax.top_k, which sorts every row (the reference itself).
+
+Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md "Kernels", fourth session), bf16 scores,
+ratio 0.07:
   N=1536 x L=33792 (24 layers x 64 sequences, the long workload's per-round selection):
-                            threshold 1796-1838 us, lax.top_k 3349-3410 us, kernel 747 us (digit=4;
-                            digit=2, 8 passes of 3 compares: 824 us).
-So the per-layer selection (`jaxspec.selection.per_layer_topk`) runs the kernel when there are
-enough rows to fill the GPU and the XLA form otherwise. A histogram radix select (one scatter-add
-of 65536 bins per row) measured 254 us / 3175 us and was dropped. lax.top_k sorts every row;
-method='top_k' keeps it (the reference itself) as the measured alternative. The floor is one read
-of the scores (~25 us for the 104 MB at N=1536); the kernel is 30x that, held back by its compare
-count: a histogram in shared memory (not expressible in Pallas's Triton lowering) would close it.
+    kernel 747.0 us (digit=2: 824.5), threshold 1837.6 us, lax.top_k 3407.1 us;
+  B=16 x L=131072: threshold 167.0 us, kernel 699.4 us (16 programs for 132 SMs), lax.top_k 383.0.
+Inside a Vegas round at Qwen2.5-0.5B shapes (B=64 x 24576; fifth session's trace): 0.55 ms. The
+floor is one read of the scores (~25 us for the 104 MB at N=1536); the kernel is 30x that, held
+back by its compare count: a histogram in shared memory (not expressible in Pallas's Triton
+lowering) would close it. How the kernel got here: benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
 

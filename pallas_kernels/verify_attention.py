@@ -11,64 +11,49 @@ over collected rows and all Hq query heads of either the raw logit q.k (`score_k
 after masking, before softmax and before the 1/sqrt(D) scale) or the softmax weight
 exp(scale * q.k - lse) (`score_kind='weights'`). Keys not visible to every collected row get -inf.
 `score_rows` picks the rows (negative indices count from T): (0, -1) is Vegas's Collect-2-Query
-(first draft + bonus), None is every row.
+(first draft + bonus), None is every row. `per_row=True` gives [B, T, S] instead, each query row's
+own scores (for the policies keyed on the last accepted token).
 
-Kernel (`verify_attention`), flash-decoding:
+Kernel (`verify_attention`), flash-decoding. Decoding and verification are bound by the bytes of
+the cache, so the tiling reads every K/V byte from HBM once, however many query rows there are:
   * grid (Hkv, P) per sequence (the batch is vmapped, so the launch grid is (Hkv, P, B) with the
     KV head fastest: the Hkv programs that read the same cache rows run side by side). Each program
     streams one contiguous split of S / P keys of one KV head and keeps all G x T query rows of
-    that head in one [M, D] tile (M = G*T rounded up to a power of two >= 16, as tl.dot needs), so
-    every K/V byte is read from HBM once however many query rows there are.
+    that head in one [M, D] tile (M = G*T rounded up to a power of two >= 16, as tl.dot needs).
   * the blocks of a split that every row sees run without a mask; only the last one or two blocks
     (the causal triangle of the T new rows, and the end of the cache) pay for masking.
   * each split writes an unnormalised partial (acc, running max, denominator); a small XLA combine
-    merges the P splits (1-2% of the cache bytes at the default split count).
-  * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are one product of the
-    key tile with their summed query (summed in f32 by XLA, passed as a bf16 high + low pair: exact
-    to about 2^-16). It runs as k [block_k, D] @ qsum^T [D, 16], keys on the rows, so the per-key
-    sum of its two live columns stays inside a warp and is stored straight to HBM ([B, Hkv, S] f32:
-    4*Hkv bytes per key against 4*Hkv*D bytes of K/V, about 1/D extra traffic); XLA sums the Hkv
-    partials, applies the -inf rule and casts to bf16. It reuses the K tile already staged for the
-    main product. The first design summed the collected rows of the [M, block_k] logit tile, a
-    reduction across all warps of the MMA layout. On an H200, over scores off: Qwen3-8B B=4 x 131072
-    at T=12 / T=8 and Qwen2.5-0.5B B=64 x 16384 at T=7 / T=5, the old design cost +16% / +17% / +51%
-    / +55%, this one +7% / +13% / +19% / +17% (a side-by-side variant run). benchmarks/kernels.py
-    at the current defaults (fourth session): Qwen3-8B +8-10% at T=8, +10-18% at T=12; the 0.5B
-    at T=5 and 8 +33%. The issue's goal is 5%: what is left is the extra MMA and store per block in
-    a loop with one or two programs per SM (NOTES_kernels.md v4-v5). The all-rows mode costs the
-    same as Collect-2.
-  * 'weights' scores need the final log-sum-exp, known only after the combine, so they are
-    rematerialised by a second pass (`_weights_kernel`) that re-reads K (not V) for the collected
-    rows only: +50% over scores off (measured: 1198 vs 796 us). Storing per-row probabilities
-    instead would cost 2*R*Hq bytes per key twice (Collect-2 on Qwen3-8B: 6%, all 12 rows: 37%),
-    cheaper but not built yet.
-  * per-row scores (`per_row=True`, [B, T, S], each query row's own scores, for the policies keyed
-    on the last accepted token): 'logits' in the main pass, each row's head-summed query in one
-    [block_k, R] product (R = T rounded up to 16) stored key-major as [B, Hkv, S, R] f32 (4R bytes
-    per key and KV head); 'weights' by a second pass over K like the collected weights, each row's
-    G heads summed by an MMA with a 0/1 grouping matrix. Checked against the reference on an H200;
-    dear there: Qwen3-8B B=4 x 131072, T=8: 870-883 us (logits) and 908-937 (weights) against
-    496-507 with scores off; Qwen2.5-0.5B B=64 x 16384, T=5: 317 / 383 against 149. The [S, R] f32 output
-    (R = 16 columns for T <= 16) is as many bytes as a quarter to half of K, and XLA transposes it
-    afterwards; storing only T columns in bf16 is the next step.
+    merges the P splits (1-2% of the cache bytes at the default split count). The query tile, the
+    split count and the combine are the ones `sparse_attention` uses (`online_softmax`).
+  * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are one product
+    k [block_k, D] @ qsum^T [D, 16] of the K tile already staged with their summed query (summed in
+    f32 by XLA, passed as a bf16 high + low pair: exact to about 2^-16). Keys sit on the rows of the
+    product, so the per-key sum stays inside a warp (summing rows of the [M, block_k] logit tile
+    would cross every warp of the MMA layout); it is stored straight to HBM as [B, Hkv, S] f32,
+    about 1/D extra traffic, and XLA sums the Hkv partials, applies the -inf rule and casts to bf16.
+    The all-rows mode costs the same as Collect-2. Per-row 'logits' use each row's head-summed
+    query in one [block_k, R] product (R = T rounded up to 16), stored key-major [B, Hkv, S, R] f32.
+  * 'weights' scores need the final log-sum-exp, known only after the combine, so a second pass
+    (`_weights_kernel`, per row `_row_weights_kernel`) re-reads K (not V) for the collected rows
+    only; per row, each row's G heads are summed by an MMA with a 0/1 grouping matrix.
   * scores off compiles the kernel without any score code: it costs nothing extra.
-  * default block_k: 128 (fastest for T = 1, 8 and 12 with scores off, and with 'logits' scores
-    at head_dim 128), 64 with 'logits' scores at head_dim 64. Default splits: the grid holds at
-    most ~4 programs per SM (rounded down: at head_dim 128 one program fills an SM, so a partial
-    last wave costs a whole one), except 'logits' scores with a 64-row query tile (T*G > 32), which
-    measured fastest at ~6 (also rounded down); the numbers are at `verify_attention`.
+  * default block_k 128 (64 with 'logits' scores at head_dim < 128); default splits: at most ~4
+    programs per SM (at head_dim 128 one program fills an SM, so a partial last wave costs a whole
+    one), ~6 for 'logits' scores with a 64-row query tile (measurements at `verify_attention`).
 
-Backend: Pallas's Triton lowering (`jax.experimental.pallas.triton`), chosen by measurement: on an
-H100 this kernel streams the Qwen3-8B cache at 100-103% of XLA's copy rate (T = 1 decode: 712 us,
-torch SDPA / cuDNN 711 us; T = 8: 733 us, 3.6x torch SDPA), and on an H200 at 101% of torch's
-faster copy (T = 1, B = 4 x 131072 at 16 splits: 498.5 us, cuDNN 491.2), so a Mosaic GPU port
-has at most the few percent that a read-only stream gets over a copy left to win; Mosaic GPU has no
-row gather on Hopper, which `sparse_attention` needs, and one backend for the three kernels keeps
-the code and the interpret-mode tests uniform. The Triton lowering is deprecated from jax 0.11 (a
-"jax-pallas-triton" DeprecationWarning at each pallas_call) but still ships, unchanged in its
-public API, in 0.12.0 and 0.12.0.1 (checked in the wheels); pl.dot is deprecated in 0.11 and removed
-in 0.12, so the kernels call lax.dot_general. If Triton goes, this dense kernel is the one to port
-to Mosaic GPU (present in both versions).
+Backend: Pallas's Triton lowering: the kernel streams at the copy rate (below), so Mosaic GPU has
+little left to win here and has no row gather on Hopper for `sparse_attention`. Deprecated from
+jax 0.11, still shipped in 0.12; if it goes, this dense kernel is the one to port to Mosaic GPU.
+
+Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md "Kernels", fourth session; % of the same
+run's device copy), Qwen3-8B layer shapes:
+  decode T=1, B=4 x 131072: 501.7 us, 100.9% (torch SDPA 491.0);
+  Collect-2 'logits' T=8: B=4 546.6 us (93.5%), B=16 x 32768 538.6 us (94.9%); T=12: B=16 559.8 us
+  (91.3%), B=4 602.5 us (84.8%; 565-576 us at the current default, 24 splits, in the scores runs);
+  score collection over scores off: +7.7% to +18.1% (Qwen2.5-0.5B, T=5 and 8: +33%);
+  per-row scores, B=4 T=8: logits 870.4 us, weights 907.6, scores off 496.0.
+At Qwen2.5-0.5B shapes inside a Vegas round (B=64 x 24576, T=5; fifth session's trace): 235.5 us
+per layer with scores, 197.0 without. How the kernel got here: benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
 
