@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks.common import device_name, git_commit, write_json
-from jaxspec.decode import generate
-from jaxspec.sampling import SamplingParams
-from jaxspec.speculative import METHODS, profile_rounds, speculative_generate
+from jaxspec.engine.decode import generate
+from jaxspec.engine.sampling import SamplingParams
+from jaxspec.engine.speculative import METHODS, profile_rounds, speculative_generate
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "jaxspec model spec (demo name, checkpoint dir)")
 _DATA = flags.DEFINE_string("data", "../shared/data/aime25.jsonl", "AIME25 jsonl ({problem, answer})")
@@ -55,7 +55,7 @@ _OUT = flags.DEFINE_string("out", "benchmarks/out/acceptance.json", "JSON result
 
 def load_prompts(tokenizer, path: str, n: int, max_tokens: int = 0) -> tuple[list[list[int]], list[int]]:
   """The first n problems (fitting max_tokens if > 0) in the chat template; also their row numbers."""
-  from jaxspec.loading import apply_chat_template
+  from jaxspec.io.loading import apply_chat_template
   with open(path) as f:
     problems = [json.loads(line)["problem"] for line in f if line.strip()]
   prompts, rows = [], []
@@ -96,7 +96,7 @@ def table(results: list[dict], gamma: int) -> str:
 
 def main(argv):
   del argv
-  from jaxspec.loading import load_model
+  from jaxspec.io.loading import load_model
   unknown = [m for m in _METHODS.value if m not in METHODS or m == "none"]
   if unknown:
     raise app.UsageError(f"unknown or non-speculative methods {unknown}; choose from {METHODS[1:]}")

@@ -19,9 +19,9 @@ from flax import nnx
 
 from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit, load,
                                time_fn, write_json)
-from jaxspec.attention import default_backend
-from jaxspec.decode import decode_chunk
-from jaxspec.sampling import SamplingParams
+from jaxspec.model.attention import default_backend
+from jaxspec.engine.decode import decode_chunk
+from jaxspec.engine.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "random:qwen2.5-coder-0.5b",
                              "random:<shape> (see benchmarks/common.py SHAPES) or a jaxspec model spec")

@@ -12,8 +12,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxspec import decode, selection, speculative
-from jaxspec.batching import insert_slot
+from jaxspec.engine import decode, speculative
+from jaxspec.drafting import policies as selection
+from jaxspec.engine.batching import insert_slot
 
 
 class Engine:

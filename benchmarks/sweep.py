@@ -23,9 +23,9 @@ from absl import app, flags
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
 from benchmarks.serving import Engine, serve
-from jaxspec import speculative
-from jaxspec.attention import default_backend
-from jaxspec.sampling import SamplingParams
+from jaxspec.engine import speculative
+from jaxspec.model.attention import default_backend
+from jaxspec.engine.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec")
 _WORKLOAD = flags.DEFINE_enum("workload", "long", ["short", "long"], "see throughput.py")
@@ -88,7 +88,7 @@ def plot(acc: dict[float, float], tput: dict[tuple[int, float], float], prefix: 
 
 def main(argv):
   del argv
-  from jaxspec.loading import load_model
+  from jaxspec.io.loading import load_model
   backend = default_backend()
   loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
   tok = loaded.tokenizer

@@ -11,7 +11,7 @@ filled to --context tokens: time per step / round only; acceptance means nothing
 
 For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
 boundary (every --chunk_rounds rounds) its slot is refilled with the next request (prefill of one
-prompt + `jaxspec.batching.insert_slot`); with --stagger (default) the first B requests have
+prompt + `jaxspec.engine.batching.insert_slot`); with --stagger (default) the first B requests have
 staggered lengths, so finishes and refills spread evenly from the start. After --warmup_s seconds
 the harness counts, over --measure_s seconds, the tokens produced and the wall time (refill prefills
 included, as a serving engine's throughput counter would; decode-only throughput is reported too),
@@ -34,9 +34,9 @@ from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit,
                                kernel_table, load, time_fn, write_json)
 from benchmarks.serving import Engine, serve
-from jaxspec import speculative
-from jaxspec.attention import default_backend
-from jaxspec.sampling import SamplingParams
+from jaxspec.engine import speculative
+from jaxspec.model.attention import default_backend
+from jaxspec.engine.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
 _WORKLOAD = flags.DEFINE_enum("workload", "short", ["short", "long", "scale"], "see module doc")
@@ -187,7 +187,7 @@ def main(argv):
     rows = scale_run(model, _METHODS.value, _BATCH.value, _CONTEXT.value, sampling, backend)
     write_json(out_path, dict(header, rows=rows))
     return
-  from jaxspec.loading import load_model
+  from jaxspec.io.loading import load_model
   loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
   tok = loaded.tokenizer
   if _WORKLOAD.value == "short":

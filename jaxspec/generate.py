@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from jaxspec.sampling import SamplingParams
+from jaxspec.engine.sampling import SamplingParams
 
 METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
 
@@ -99,7 +99,7 @@ class TextStreamer:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)   # orbax logs every read at INFO
-  from jaxspec.loading import apply_chat_template, load_model
+  from jaxspec.io.loading import apply_chat_template, load_model
   try:
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value)
   except ValueError as e:
@@ -121,10 +121,10 @@ def main(argv):
                 seed=_SEED.value, max_len=_MAX_LEN.value, cache_dtype=dtype, on_chunk=streamer)
   try:
     if _METHOD.value == "none":
-      from jaxspec.decode import generate
+      from jaxspec.engine.decode import generate
       outputs, stats = generate(loaded.model, ids, **common)
     else:
-      from jaxspec.speculative import speculative_generate
+      from jaxspec.engine.speculative import speculative_generate
       outputs, stats = speculative_generate(
           loaded.model, ids, method=_METHOD.value, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
           min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, **common)

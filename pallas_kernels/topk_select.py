@@ -27,7 +27,7 @@ Measured on an H200 (jax 0.11.2, third and fourth sessions), bf16 scores, ratio 
   N=1536 x L=33792 (24 layers x 64 sequences, the long workload's per-round selection):
                             threshold 1796-1838 us, lax.top_k 3349-3410 us, kernel 747 us (digit=4;
                             digit=2, 8 passes of 3 compares: 824 us).
-So the per-layer selection (`jaxspec.selection.per_layer_topk`) runs the kernel when there are
+So the per-layer selection (`jaxspec.drafting.policies.per_layer_topk`) runs the kernel when there are
 enough rows to fill the GPU and the XLA form otherwise. A histogram radix select (one scatter-add
 of 65536 bins per row) measured 254 us / 3175 us and was dropped. lax.top_k sorts every row;
 method='top_k' keeps it (the reference itself) as the measured alternative. The floor is one read

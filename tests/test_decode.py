@@ -4,12 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.attention import AttentionPlan
-from jaxspec.config import ModelConfig
-from jaxspec.decode import generate, make_batch
-from jaxspec.kv_cache import KVCache
-from jaxspec.model import init_random
-from jaxspec.sampling import SamplingParams, filter_logits, top_k_values
+from jaxspec.model.attention import AttentionPlan
+from jaxspec.model.config import ModelConfig
+from jaxspec.engine.decode import generate, make_batch
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import init_random
+from jaxspec.engine.sampling import SamplingParams, filter_logits, top_k_values
 
 CFG = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope_theta=1000.0)

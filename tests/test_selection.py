@@ -3,10 +3,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import pages, selection
-from jaxspec.attention import AttentionPlan, attend
-from jaxspec.config import ModelConfig
-from jaxspec.kv_cache import KVCache
+from jaxspec.drafting import pages, policies as selection
+from jaxspec.model.attention import AttentionPlan, attend
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.kv_cache import KVCache
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.topk_select import topk_select_reference
 from pallas_kernels.verify_attention import verify_attention_reference

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from benchmarks.serving import Engine, serve
-from jaxspec.config import ModelConfig
-from jaxspec.decode import generate
-from jaxspec.model import init_random
-from jaxspec.sampling import SamplingParams
+from jaxspec.model.config import ModelConfig
+from jaxspec.engine.decode import generate
+from jaxspec.model.transformer import init_random
+from jaxspec.engine.sampling import SamplingParams
 
 CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1000.0)
@@ -98,7 +98,7 @@ def test_throughput_method_entries():
 
 def test_insert_slot_refuses_a_batch_one_state():
   """At batch 1 no leaf shows where the batch axis is: a clear error, not a silent no-op."""
-  from jaxspec.batching import insert_slot
+  from jaxspec.engine.batching import insert_slot
   one = {"tokens": jnp.zeros((1, 4), jnp.int32), "key": jnp.zeros((2,), jnp.uint32)}
   with pytest.raises(ValueError, match="batch > 1"):
     insert_slot(one, {"tokens": jnp.ones((1, 4), jnp.int32), "key": jnp.ones((2,), jnp.uint32)},

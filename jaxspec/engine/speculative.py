@@ -51,12 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxspec import decode, rejection, selection
-from jaxspec.attention import default_backend
-from jaxspec.decode import DecodeState, GenerationStats
-from jaxspec.model import Transformer
-from jaxspec.sampling import SamplingParams, sample, sample_with_probs
-from jaxspec.selection import METHODS, Selection, SelectionPolicy
+from jaxspec.engine import decode, rejection
+from jaxspec.drafting import policies as selection
+from jaxspec.model.attention import default_backend
+from jaxspec.engine.decode import DecodeState, GenerationStats
+from jaxspec.model.transformer import Transformer
+from jaxspec.engine.sampling import SamplingParams, sample, sample_with_probs
+from jaxspec.drafting.policies import METHODS, Selection, SelectionPolicy
 
 __all__ = ["METHODS", "SpecConfig", "SpecState", "speculative_generate", "speculative_chunk",
            "speculative_prefill", "first_selection", "profile_rounds", "time_phases",
@@ -197,7 +198,7 @@ def speculative_prefill(graphdef, params, prompts: jax.Array, prompt_lens: jax.A
                         max_new: jax.Array, key: jax.Array, *, capacity: int, max_new_buffer: int,
                         cache_dtype, config: SpecConfig) -> SpecState:
   """Prefill, first token, and the first round's Selection (from the prefill's last-token scores
-  for score-based policies: see `jaxspec.selection`)."""
+  for score-based policies: see `jaxspec.drafting.policies`)."""
   ds, scores = _prefill_with_scores(graphdef, params, prompts, prompt_lens, max_new, key,
                                     **_prefill_static(capacity, max_new_buffer, config, cache_dtype))
   return first_selection(ds, scores, config=config)

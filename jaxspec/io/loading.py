@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 
 from jaxspec import fetch as fetch_lib
-from jaxspec.config import ModelConfig
-from jaxspec.model import Transformer
-from jaxspec.weights import WeightsError, source_kind
-from jaxspec.weights import checkpoint
-from jaxspec.weights import gguf as gguf_weights
-from jaxspec.weights import hf as hf_weights
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.transformer import Transformer
+from jaxspec.io.weights import WeightsError, source_kind
+from jaxspec.io.weights import checkpoint
+from jaxspec.io.weights import gguf as gguf_weights
+from jaxspec.io.weights import hf as hf_weights
 
 if TYPE_CHECKING:
   from transformers import PreTrainedTokenizerBase

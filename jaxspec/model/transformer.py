@@ -2,7 +2,7 @@
 
 Parameter paths mirror HF names (`layers/3/self_attn/q_proj/kernel` for
 `model.layers.3.self_attn.q_proj.weight`, transposed), so the weight mapping tables in
-`jaxspec.weights` stay one line per tensor.
+`jaxspec.io.weights` stay one line per tensor.
 
 `Transformer.__call__(tokens, cache, plan)` runs T new tokens per sequence at positions
 cache.lengths + t, writes their K/V into the cache and returns the final hidden states, the updated
@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec import kv_cache as kvc
-from jaxspec.attention import AttentionPlan, attend
-from jaxspec.config import ModelConfig
-from jaxspec.rope import apply_rope, rope_tables
+from jaxspec.model import kv_cache as kvc
+from jaxspec.model.attention import AttentionPlan, attend
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.rope import apply_rope, rope_tables
 
 
 class RMSNorm(nnx.Module):

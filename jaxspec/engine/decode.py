@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxspec.attention import AttentionPlan, default_backend
-from jaxspec.kv_cache import KVCache
-from jaxspec.model import Transformer
-from jaxspec.sampling import SamplingParams, sample
+from jaxspec.model.attention import AttentionPlan, default_backend
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import Transformer
+from jaxspec.engine.sampling import SamplingParams, sample
 
 
 @struct.dataclass
@@ -92,7 +92,7 @@ def start_state(model: Transformer, prompts: jax.Array, prompt_lens: jax.Array, 
                 stop_ids: tuple[int, ...], backend: str, cache_dtype, reserve: int = 1,
                 score_kind: str | None = None) -> tuple[DecodeState, jax.Array | None]:
   """Prefill and sample the first new token. With `score_kind` set (a speculative caller, see
-  `jaxspec.speculative`) also returns the prefill's criticality scores [L, B, S]: each prompt's
+  `jaxspec.engine.speculative`) also returns the prefill's criticality scores [L, B, S]: each prompt's
   last token's row; else None."""
   b = prompts.shape[0]
   cache = KVCache.create(model.cfg, b, capacity, cache_dtype)

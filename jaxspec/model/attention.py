@@ -7,7 +7,7 @@ the Pallas kernels live side by side in `pallas_kernels/`; `backend` picks one.
 
 Modes:
   prefill  the cache is empty for these sequences (lengths == 0): causal self-attention over the
-           prompt. With scores on, the score row is each prompt's last token (see `jaxspec.selection`).
+           prompt. With scores on, the score row is each prompt's last token (see `jaxspec.drafting.policies`).
   dense    T new queries against the whole cache (plain decoding T=1, verification T=gamma+1).
            Optionally returns criticality scores (`score_kind`, `score_rows`), or with
            `score_per_row` one score row per query ([B, T, S]: the all-rows dump that policies keyed
@@ -15,7 +15,7 @@ Modes:
   sparse   T new queries against the selected prefix positions plus the dense tail.
   quest    one new query (a draft step) against Quest-selected pages plus the dense tail: the page
            scores are recomputed here from the current query and the per-page key summaries
-           (`page_min`/`page_max`, see `jaxspec.pages`); `counts` [B] = pages to keep.
+           (`page_min`/`page_max`, see `jaxspec.drafting.pages`); `counts` [B] = pages to keep.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec import pages as _pages
+from jaxspec.drafting import pages as _pages
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.model.config import ModelConfig
 
 
 @struct.dataclass
