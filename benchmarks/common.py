@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.model.config import ModelConfig
-from jaxspec.engine.decode import DecodeState
+from jaxspec.engine.state import DecodeState
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
 

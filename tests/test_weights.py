@@ -17,10 +17,10 @@ import transformers
 from flax import nnx
 
 from jaxspec import fetch
-from jaxspec.model.attention import AttentionPlan
+from jaxspec.model.attention import Prefill
 from jaxspec.model.config import RopeScaling
 from jaxspec.convert import convert
-from jaxspec.engine.decode import generate
+from jaxspec.engine.runner import generate
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.io.loading import apply_chat_template, load_model
 from jaxspec.io.weights import WeightsError, abstract_params, build_model, checkpoint
@@ -72,7 +72,7 @@ def hf_logits(model, tokens):
 def our_logits(model, cfg, tokens):
   tokens = jnp.asarray(tokens, jnp.int32)
   cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], jnp.float32)
-  hidden, _, _ = model(tokens, cache, AttentionPlan(mode="prefill"))
+  hidden, _, _ = model(tokens, cache.chain_positions(tokens.shape[1]), cache, Prefill())
   return np.asarray(model.logits(hidden))
 
 
@@ -276,7 +276,7 @@ def test_real_qwen3_config_tokenizer_and_forward():
   model = build_model(cfg, params, dtype=jnp.bfloat16)
   tokens = jnp.asarray([ids[-6:]])
   cache = KVCache.create(cfg, 1, 6, jnp.bfloat16)
-  hidden, cache, _ = model(tokens, cache, AttentionPlan(mode="prefill"))
+  hidden, cache, _ = model(tokens, cache.chain_positions(tokens.shape[1]), cache, Prefill())
   logits = model.logits(hidden)
   assert logits.shape == (1, 6, 151936) and logits.dtype == jnp.float32
   assert bool(jnp.isfinite(logits).all())

@@ -64,6 +64,18 @@ def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False) 
   return LoadedModel(cfg=cfg, model=model, tokenizer=tokenizer, source=path)
 
 
+def check_draft_pair(target: LoadedModel, draft: LoadedModel, target_name: str,
+                     draft_name: str) -> None:
+  """Raise a one-line ValueError unless the draft model shares the target's tokenizer (the same
+  vocabulary, token for token): speculative decoding compares their token ids."""
+  same = target.cfg.vocab_size == draft.cfg.vocab_size
+  if same and target.tokenizer is not None and draft.tokenizer is not None:
+    same = target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+  if not same:
+    raise ValueError(f"draft model {draft_name} ({draft.cfg.vocab_size} tokens) and target "
+                     f"{target_name} ({target.cfg.vocab_size} tokens) do not share a tokenizer")
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, prompt: str) -> str:
   """`prompt` as one user turn in the tokenizer's chat template, ready for the assistant's reply."""
   if tokenizer is None:

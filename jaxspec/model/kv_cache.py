@@ -35,6 +35,10 @@ class KVCache:
   def capacity(self) -> int:
     return self.k[0].shape[1]
 
+  def chain_positions(self, t: int) -> jax.Array:
+    """[B, t] positions of t new tokens that continue each sequence: lengths + 0..t-1."""
+    return self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+
 
 def write(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
   """Scatter new [B, T, H, D] into cache_layer [B, S, H, D] at positions [B, T].
