@@ -7,7 +7,7 @@ For each method: mean accepted tokens per round (the accepted drafts plus the co
 token, so gamma + 1 at best) and the acceptance probability by draft position
 (P(draft i accepted | drafts 1..i-1 accepted)). Prompts are AIME25 problems in the model's chat
 template. Results go to --out as JSON, rewritten after every method, and a markdown table to stdout.
-With --profile_rounds=N each method is also timed phase by phase (`speculative.profile_rounds`).
+With --profile_rounds=N each method is also timed phase by phase (`Runner.profile_rounds`).
 With --temperature=0 (greedy) vanilla decoding runs too and each method's agreement with it is
 reported (1.0 in float32: lossless; a rate in bfloat16).
 """
@@ -23,9 +23,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks.common import device_name, git_commit, write_json
-from jaxspec.decode import generate
-from jaxspec.sampling import SamplingParams
-from jaxspec.speculative import METHODS, profile_rounds, speculative_generate
+from jaxspec.engine.runner import METHODS, Runner
+from jaxspec.engine.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "jaxspec model spec (demo name, checkpoint dir)")
 _DATA = flags.DEFINE_string("data", "../shared/data/aime25.jsonl", "AIME25 jsonl ({problem, answer})")
@@ -55,7 +54,7 @@ _OUT = flags.DEFINE_string("out", "benchmarks/out/acceptance.json", "JSON result
 
 def load_prompts(tokenizer, path: str, n: int, max_tokens: int = 0) -> tuple[list[list[int]], list[int]]:
   """The first n problems (fitting max_tokens if > 0) in the chat template; also their row numbers."""
-  from jaxspec.loading import apply_chat_template
+  from jaxspec.io.loading import apply_chat_template
   with open(path) as f:
     problems = [json.loads(line)["problem"] for line in f if line.strip()]
   prompts, rows = [], []
@@ -96,10 +95,11 @@ def table(results: list[dict], gamma: int) -> str:
 
 def main(argv):
   del argv
-  from jaxspec.loading import load_model
-  unknown = [m for m in _METHODS.value if m not in METHODS or m == "none"]
+  from jaxspec.io.loading import load_model
+  unknown = [m for m in _METHODS.value if m not in METHODS or m in ("none", "draft")]
   if unknown:
-    raise app.UsageError(f"unknown or non-speculative methods {unknown}; choose from {METHODS[1:]}")
+    raise app.UsageError(f"unknown or non-self-drafting methods {unknown}; choose from "
+                         f"{METHODS[2:]}")
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   loaded = load_model(_MODEL.value, dtype=dtype)
   tok = loaded.tokenizer
@@ -120,17 +120,17 @@ def main(argv):
     # Greedy runs are also checked against vanilla greedy decoding: identical in float32 (the
     # method is lossless), an agreement rate in bfloat16 where rounding differs between the
     # one-token and the (gamma + 1)-token forward passes.
-    vanilla, vstats = generate(loaded.model, prompts, max_new_tokens=_MAX_NEW.value,
-                               stop_ids=stop_ids, cache_dtype=dtype)
+    vanilla, vstats = Runner(loaded.model, stop_ids=stop_ids, cache_dtype=dtype).generate(
+        prompts, max_new_tokens=_MAX_NEW.value)
     settings["vanilla_decode_tokens_per_s"] = vstats.decode_tokens_per_s
   results = []
   for method in _METHODS.value:
     t0 = time.perf_counter()
-    outputs, stats = speculative_generate(
-        loaded.model, prompts, method=method, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
-        min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, max_new_tokens=_MAX_NEW.value,
-        sampling=sampling, stop_ids=stop_ids, seed=_SEED.value, chunk_rounds=_CHUNK.value,
-        cache_dtype=dtype)
+    runner = Runner(loaded.model, method=method, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
+                    min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, sampling=sampling,
+                    stop_ids=stop_ids, cache_dtype=dtype)
+    outputs, stats = runner.generate(prompts, max_new_tokens=_MAX_NEW.value, seed=_SEED.value,
+                                     chunk=_CHUNK.value)
     row = dict(stats.extra, new_tokens=stats.new_tokens, rounds=stats.rounds,
                prefill_s=stats.prefill_s, decode_s=stats.decode_s, decode_tokens_per_s=stats.decode_tokens_per_s,
                wall_s=time.perf_counter() - t0)
@@ -138,10 +138,7 @@ def main(argv):
       row["agreement_with_vanilla"] = agreement(outputs, vanilla)
       row["identical_sequences"] = sum(a == b for a, b in zip(outputs, vanilla))
     if _PROFILE.value:
-      row["profile"] = profile_rounds(
-          loaded.model, prompts, method=method, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
-          min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, rounds=_PROFILE.value,
-          sampling=sampling, seed=_SEED.value, cache_dtype=dtype)
+      row["profile"] = runner.profile_rounds(prompts, rounds=_PROFILE.value, seed=_SEED.value)
     results.append(row)
     print(f"{method}: {row['mean_accepted_tokens']:.3f} tokens/round, by position "
           f"{[round(p, 3) for p in row['acceptance_by_position']]} ({row['wall_s']:.0f} s)",

@@ -15,10 +15,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import ModelConfig
-from jaxspec.decode import DecodeState
-from jaxspec.kv_cache import KVCache
-from jaxspec.model import init_random
+from jaxspec.model.config import ModelConfig
+from jaxspec.engine.state import DecodeState
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import init_random
 
 # Public model-card shapes, for random-weight runs (step time only: acceptance needs real weights).
 SHAPES = {
@@ -171,7 +171,7 @@ def load(spec: str):
     if shape not in SHAPES:
       raise ValueError(f"unknown random-weight shape {shape!r}; known: {', '.join(SHAPES)}")
     return init_random(SHAPES[shape], dtype=jnp.bfloat16), "random weights"
-  from jaxspec.loading import load_model
+  from jaxspec.io.loading import load_model
   return load_model(spec, dtype=jnp.bfloat16).model, "real weights"
 
 

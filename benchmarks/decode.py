@@ -5,7 +5,7 @@
   python -m benchmarks.decode --model=random:qwen3-8b --batch_sizes=4 --contexts=131072
 
 The cache is filled with random K/V to the given context (no prefill: decode step time does not
-depend on how the cache was filled) and `decode.decode_chunk` runs `--steps` steps per timed call.
+depend on how the cache was filled) and `Runner.step` (the vanilla method's compiled chunk) runs `--steps` steps per timed call.
 Roofline per step: (weight bytes + KV bytes read) / device-copy bandwidth measured in the same run.
 """
 from __future__ import annotations
@@ -19,9 +19,8 @@ from flax import nnx
 
 from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit, load,
                                time_fn, write_json)
-from jaxspec.attention import default_backend
-from jaxspec.decode import decode_chunk
-from jaxspec.sampling import SamplingParams
+from jaxspec.model.attention import default_backend
+from jaxspec.engine.runner import Runner
 
 _MODEL = flags.DEFINE_string("model", "random:qwen2.5-coder-0.5b",
                              "random:<shape> (see benchmarks/common.py SHAPES) or a jaxspec model spec")
@@ -37,9 +36,10 @@ def main(argv):
   del argv
   model, weights = load(_MODEL.value)
   cfg = model.cfg
-  graphdef, params = nnx.split(model)
+  params = nnx.state(model)
   weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
   backend = _BACKEND.value or default_backend()
+  runner = Runner(model, backend=backend)
   bw, rates_gbps = copy_ceiling()
   print(f"{device_name()} | copy {bw / 1e9:.0f} GB/s | {_MODEL.value} ({weights}, "
         f"{weight_bytes / 1e9:.2f} GB) | backend {backend}", file=sys.stderr)
@@ -54,8 +54,7 @@ def main(argv):
         holder = [state]
 
         def run():
-          holder[0] = decode_chunk(graphdef, params, holder[0], steps=steps, sampling=SamplingParams(),
-                                   stop_ids=(), backend=backend)
+          holder[0] = runner.step(holder[0], steps)[0]
           return holder[0].num_new
 
         t = time_fn(run, warmup=2, reps=_REPS.value) / steps

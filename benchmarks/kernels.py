@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import copy_ceiling, device_name, git_commit, write_json
-from jaxspec.selection import budget
+from jaxspec.drafting.policies import budget
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 from pallas_kernels.sparse_attention import sparse_attention_reference

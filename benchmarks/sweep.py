@@ -22,10 +22,9 @@ from absl import app, flags
 
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
-from benchmarks.serving import Engine, serve
-from jaxspec import speculative
-from jaxspec.attention import default_backend
-from jaxspec.sampling import SamplingParams
+from jaxspec.engine.runner import Runner
+from jaxspec.model.attention import default_backend
+from jaxspec.engine.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec")
 _WORKLOAD = flags.DEFINE_enum("workload", "long", ["short", "long"], "see throughput.py")
@@ -88,7 +87,7 @@ def plot(acc: dict[float, float], tput: dict[tuple[int, float], float], prefix: 
 
 def main(argv):
   del argv
-  from jaxspec.loading import load_model
+  from jaxspec.io.loading import load_model
   backend = default_backend()
   loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
   tok = loaded.tokenizer
@@ -106,10 +105,11 @@ def main(argv):
 
   acc = {}
   for r in ratios:   # step 1
-    _, stats = speculative.speculative_generate(
-        loaded.model, prompts[:_ACC_BATCH.value], method=_METHOD.value, gamma=_BIG_GAMMA.value,
-        sparsity=r, min_tokens=_MIN_TOKENS.value, max_new_tokens=_MAX_NEW.value, sampling=sampling,
-        stop_ids=stop_ids, max_len=capacity_len, backend=backend)
+    runner = Runner(loaded.model, method=_METHOD.value, gamma=_BIG_GAMMA.value, sparsity=r,
+                    min_tokens=_MIN_TOKENS.value, sampling=sampling, stop_ids=stop_ids,
+                    backend=backend)
+    _, stats = runner.generate(prompts[:_ACC_BATCH.value], max_new_tokens=_MAX_NEW.value,
+                               max_len=capacity_len)
     acc[r] = stats.extra["mean_accepted_tokens"]
     print(f"step 1: ratio {r:g}: {acc[r]:.2f} accepted tokens / round", file=sys.stderr)
   best = max(acc.values())
@@ -119,11 +119,13 @@ def main(argv):
 
   def measure(g, r):
     if (g, r) not in tput:
-      eng = Engine(loaded.model, _METHOD.value, g, sampling, stop_ids, capacity_len, backend,
-                   sparsity=r, min_tokens=_MIN_TOKENS.value)
+      runner = Runner(loaded.model, method=_METHOD.value, gamma=g, sparsity=r,
+                      min_tokens=_MIN_TOKENS.value, sampling=sampling, stop_ids=stop_ids,
+                      backend=backend)
       # Staggered first requests: slots finish spread out, not in waves (throughput --stagger).
-      row, _ = serve(eng, prompts, _BATCH.value, _MAX_NEW.value, chunk=_CHUNK.value,
-                     warmup_s=_WARMUP.value, measure_s=_MEASURE.value, stagger=True)
+      row, _ = runner.serve(prompts, _BATCH.value, _MAX_NEW.value, max_len=capacity_len,
+                            chunk=_CHUNK.value, warmup_s=_WARMUP.value, measure_s=_MEASURE.value,
+                            stagger=True)
       # Decode-only: the refill prefills are the same work for every (gamma, ratio) and, with long
       # prompts and short windows, mostly noise (the first GPU sweep ranked by tokens/s with
       # refills and picked from that noise).

@@ -11,15 +11,15 @@ filled to --context tokens: time per step / round only; acceptance means nothing
 
 For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
 boundary (every --chunk_rounds rounds) its slot is refilled with the next request (prefill of one
-prompt + `jaxspec.batching.insert_slot`); with --stagger (default) the first B requests have
+prompt + `jaxspec.engine.batching.insert_slot`); with --stagger (default) the first B requests have
 staggered lengths, so finishes and refills spread evenly from the start. After --warmup_s seconds
 the harness counts, over --measure_s seconds, the tokens produced and the wall time (refill prefills
 included, as a serving engine's throughput counter would; decode-only throughput is reported too),
 the mean accepted tokens per round, and (--profile) the drafting / verification / selection time
-shares (`speculative.time_phases`) over a few rounds of the serving batch as it stands at the end of
+shares (`Runner.time_phases`) over a few rounds of the serving batch as it stands at the end of
 the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its
 own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
-(gamma, ratio).
+(gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer).
 """
 from __future__ import annotations
 
@@ -33,12 +33,16 @@ from absl import app, flags
 from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit,
                                kernel_table, load, time_fn, write_json)
-from benchmarks.serving import Engine, serve
-from jaxspec import speculative
-from jaxspec.attention import default_backend
-from jaxspec.sampling import SamplingParams
+from jaxspec.drafting.draft_model import DraftModelState
+from jaxspec.engine.runner import Runner
+from jaxspec.engine.sampling import SamplingParams
+from jaxspec.engine.state import SpecState, capacity_for
+from jaxspec.io.loading import check_draft_pair
+from jaxspec.model.attention import default_backend
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "method 'draft': the draft model (a jaxspec "
+                                   "model spec sharing --model's tokenizer, or random:<shape>)")
 _WORKLOAD = flags.DEFINE_enum("workload", "short", ["short", "long", "scale"], "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
                                          "vegas"],
@@ -85,28 +89,47 @@ def parse_entry(entry: str) -> tuple[str, float, int]:
   return method, float(ratio) if ratio else _SPARSITY.value, int(gamma)
 
 
-def phase_times(eng: Engine, state):
+def phase_times(runner: Runner, state):
   """(state, draft / verify / select seconds per round and shares) over 4 rounds of `state`."""
-  state, phases = speculative.time_phases(eng.graphdef, eng.params, state, eng.config, rounds=4,
-                                          warmup=1)
+  state, phases = runner.time_phases(state, rounds=4, warmup=1)
   return state, {k: v for k, v in phases.items() if k.endswith(("_share", "_per_round"))}
 
 
-def scale_state(eng: Engine, cfg, batch: int, context: int, steps_total: int):
-  """A state whose cache holds `context` random tokens per sequence; for speculative methods the
-  policy's first Selection, from random stand-in scores (random like the weights)."""
-  cap = eng.capacity
+def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_ids, backend: str
+                ) -> Runner:
+  method, ratio, g = parse_entry(entry)
+  return Runner(model, method=method, gamma=g, sparsity=ratio, min_tokens=_MIN_TOKENS.value,
+                score_kind=_SCORE.value, draft_model=draft_model if method == "draft" else None,
+                sampling=sampling, stop_ids=stop_ids, backend=backend)
+
+
+def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_total: int):
+  """A state whose cache holds `context` random tokens per sequence; for self-drafting the
+  policy's first selection, from random stand-in scores (random like the weights); for a draft
+  model its cache filled likewise."""
+  cap = capacity_for(max_len, runner.spare)
+  cfg = runner.model.cfg
   ds = filled_state(cfg, batch, context, cap, steps_total)
-  if eng.config is None:
+  if not runner.speculative:
     return ds
-  scores = None
-  if eng.config.policy.prefill_score_kind is not None:
-    scores = jax.random.normal(jax.random.PRNGKey(1), (cfg.num_layers, batch, cap), jnp.bfloat16)
-  return speculative.first_selection(ds, scores, config=eng.config)
+  config = runner.config(cap)
+  if runner.method == "draft":
+    drafter = DraftModelState(cache=filled_state(runner.draft_model.cfg, batch, context - 1, cap,
+                                                 steps_total, seed=1).cache,
+                              prev_token=jnp.ones((batch,), jnp.int32))
+  else:
+    scores = None
+    if config.drafter.prefill_scores is not None:
+      scores = jax.random.normal(jax.random.PRNGKey(1), (cfg.num_layers, batch, cap), jnp.bfloat16)
+    drafter = jax.jit(lambda ds, scores: config.drafter.start(None, None, None, ds, scores,
+                                                              config))(ds, scores)
+  return SpecState(decode=ds, drafter=drafter,
+                   accept_hist=jnp.zeros((batch, config.gamma + 1), jnp.int32),
+                   rounds=jnp.zeros((), jnp.int32))
 
 
-def scale_run(model, methods, batch: int, context: int, sampling: SamplingParams, backend: str
-              ) -> list[dict]:
+def scale_run(model, draft_model, methods, batch: int, context: int, sampling: SamplingParams,
+              backend: str) -> list[dict]:
   """Random weights: ms per vanilla step and per speculative round over a filled cache, the
   draft / verify / select shares, and (--trace) GPU time per kernel of one compiled chunk."""
   cfg = model.cfg
@@ -114,13 +137,12 @@ def scale_run(model, methods, batch: int, context: int, sampling: SamplingParams
   steps = 8
   for entry in methods:
     method, ratio, g = parse_entry(entry)
-    eng = Engine(model, method, g, sampling, (), context + 64 * (g + 1), backend,
-                 sparsity=ratio, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
     try:
-      holder = [scale_state(eng, cfg, batch, context, steps * 64)]
+      runner = make_runner(model, draft_model, entry, sampling, (), backend)
+      holder = [scale_state(runner, batch, context, context + 64 * (g + 1), steps * 64)]
 
       def run():
-        holder[0] = eng.chunk(holder[0], steps)
+        holder[0] = runner.step(holder[0], steps)[0]
         return holder[0]
       t = time_fn(run, warmup=1, reps=3) / steps
       row = dict(method=entry, gamma=g, sparsity=ratio, batch=batch, context=context,
@@ -130,8 +152,8 @@ def scale_run(model, methods, batch: int, context: int, sampling: SamplingParams
       if _TRACE.value:
         row["trace"] = kernel_table(run, top=60)
         row["trace"]["per"] = f"one chunk of {steps} rounds"
-      if eng.config is not None:
-        holder[0], row["phases"] = phase_times(eng, holder[0])
+      if runner.speculative:
+        holder[0], row["phases"] = phase_times(runner, holder[0])
       rows.append(row)
       holder = None  # free this cache before the next method
     except Exception as e:
@@ -181,14 +203,21 @@ def main(argv):
                 min_tokens=_MIN_TOKENS.value, backend=backend, argv=" ".join(sys.argv))
   if _WORKLOAD.value == "scale":
     model, _ = load(_MODEL.value)
+    draft_model = load(_DRAFT_MODEL.value)[0] if _DRAFT_MODEL.value else None
     bw, rates_gbps = copy_ceiling()
     header.update(copy_gbps=bw / 1e9, copy_rates_gbps=rates_gbps)
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
-    rows = scale_run(model, _METHODS.value, _BATCH.value, _CONTEXT.value, sampling, backend)
+    rows = scale_run(model, draft_model, _METHODS.value, _BATCH.value, _CONTEXT.value, sampling,
+                     backend)
     write_json(out_path, dict(header, rows=rows))
     return
-  from jaxspec.loading import load_model
+  from jaxspec.io.loading import load_model
   loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
+  draft_model = None
+  if _DRAFT_MODEL.value:
+    draft = load_model(_DRAFT_MODEL.value, dtype=jnp.bfloat16)
+    check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
+    draft_model = draft.model
   tok = loaded.tokenizer
   if _WORKLOAD.value == "short":
     max_new = _MAX_NEW.value or 4096
@@ -205,16 +234,15 @@ def main(argv):
   rows = []
   for entry in _METHODS.value:
     method, ratio, g = parse_entry(entry)
-    eng = Engine(loaded.model, method, g, sampling, stop_ids, capacity_len, backend,
-                 sparsity=ratio, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value)
     try:
-      row, state = serve(eng, prompts, _BATCH.value, max_new, chunk=_CHUNK.value,
-                         warmup_s=_WARMUP.value, measure_s=_MEASURE.value, seed=_SEED.value,
-                         stagger=_STAGGER.value)
+      runner = make_runner(loaded.model, draft_model, entry, sampling, stop_ids, backend)
+      row, state = runner.serve(prompts, _BATCH.value, max_new, max_len=capacity_len,
+                                chunk=_CHUNK.value, warmup_s=_WARMUP.value,
+                                measure_s=_MEASURE.value, seed=_SEED.value, stagger=_STAGGER.value)
       row.update(method=entry, sparsity=ratio)
-      if _PROFILE.value and eng.config is not None:
+      if _PROFILE.value and runner.speculative:
         # Phase shares on the serving batch as it stands at the end (steady state, mixed lengths).
-        _, row["phases"] = phase_times(eng, state)
+        _, row["phases"] = phase_times(runner, state)
       state = None
     except Exception as e:
       row = dict(method=entry, error=f"{type(e).__name__}: {str(e)[:500]}")

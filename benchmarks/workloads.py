@@ -33,7 +33,7 @@ def _jsonl(name: str, field: str) -> list[str]:
 
 def short_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
   """n chat prompts alternating AIME25 problems and GSM8K questions (cycled, shuffled)."""
-  from jaxspec.loading import apply_chat_template
+  from jaxspec.io.loading import apply_chat_template
   aime, gsm = _jsonl("aime25.jsonl", "problem"), _jsonl("gsm8k_test.jsonl", "question")
   rng = random.Random(seed)
   rng.shuffle(gsm)
@@ -46,7 +46,7 @@ def short_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 def long_prompts(tokenizer, n: int, min_tokens: int = 16384, max_tokens: int = 32768,
                  seed: int = 0) -> list[list[int]]:
   """n chat prompts: a random Frankenstein passage of min..max tokens plus a question."""
-  from jaxspec.loading import apply_chat_template
+  from jaxspec.io.loading import apply_chat_template
   with open(data_path("frankenstein.txt"), encoding="utf-8") as f:
     book = tokenizer.encode(f.read(), add_special_tokens=False)
   rng = random.Random(seed)

@@ -2,7 +2,7 @@
 
 `python -m jaxspec.convert --src=PATH --out=checkpoints/NAME [--dtype=bfloat16|float32] [--overwrite]`
 
-Writes params (orbax), jaxspec_config.json and the tokenizer files; see jaxspec.weights.checkpoint.
+Writes params (orbax), jaxspec_config.json and the tokenizer files; see jaxspec.io.weights.checkpoint.
 A failed or interrupted conversion leaves nothing at --out.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-from jaxspec.weights import WeightsError, source_kind
-from jaxspec.weights import checkpoint
-from jaxspec.weights import gguf as gguf_weights
-from jaxspec.weights import hf as hf_weights
+from jaxspec.io.weights import WeightsError, source_kind
+from jaxspec.io.weights import checkpoint
+from jaxspec.io.weights import gguf as gguf_weights
+from jaxspec.io.weights import hf as hf_weights
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 

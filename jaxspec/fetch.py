@@ -143,7 +143,7 @@ def fetch(name: str, out_dir: str | Path | None = None, *, dtype=jnp.bfloat16,
           progress: bool = True) -> Path:
   """Checkpoint dir of demo `name` under out_dir, fetching and converting it if it is not there."""
   from jaxspec import convert
-  from jaxspec.weights.checkpoint import is_checkpoint
+  from jaxspec.io.weights.checkpoint import is_checkpoint
   _demo(name)
   out = Path(out_dir or default_checkpoint_dir()) / name
   if is_checkpoint(out):

@@ -1,8 +1,10 @@
-"""`python -m jaxspec.generate`: generate text with vanilla or self-speculative decoding.
+"""`python -m jaxspec.generate`: generate text with vanilla or speculative decoding.
 
   python -m jaxspec.generate --prompt "Write a haiku about JAX" --chat
   python -m jaxspec.generate --model=qwen2.5-coder-0.5b --prompt_file=prompts.txt --temperature=0.6
   python -m jaxspec.generate --method=vegas --gamma=6 --sparsity=0.07 --min_tokens=256 --prompt "..."
+  python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=draft \
+      --draft_model=qwen2.5-coder-0.5b --gamma=4 --prompt "..."
 
 Text goes to stdout (streamed per chunk of decode steps for a single prompt; for a batch, each
 completion is printed when it finishes), one stats line to stderr.
@@ -15,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from jaxspec.sampling import SamplingParams
+from jaxspec.engine.sampling import SamplingParams
 
-METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
+# jaxspec.engine.runner.METHODS, spelled out so that --help needs no JAX import.
+METHODS = ("none", "draft", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming",
+           "quest")
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m",
                              "orbax checkpoint dir, HF dir, .gguf file or demo name "
@@ -34,7 +38,11 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights, activations, cache")
 _MAX_LEN = flags.DEFINE_integer("max_len", None, "cache slots per sequence (prompt + new tokens); "
                                 "default: longest prompt + max_new_tokens")
-_METHOD = flags.DEFINE_enum("method", "none", list(METHODS), "decoding method (none = vanilla)")
+_METHOD = flags.DEFINE_enum("method", "none", list(METHODS),
+                            "decoding method: none (vanilla), draft (a separate --draft_model "
+                            "drafts), or a self-drafting policy")
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "method draft: the draft model (any --model "
+                                   "spec with the same tokenizer), e.g. qwen2.5-coder-0.5b")
 _GAMMA = flags.DEFINE_integer("gamma", 6, "draft tokens per round (speculative methods)")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "fraction of the KV cache drafts attend to")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting")
@@ -99,15 +107,24 @@ class TextStreamer:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)   # orbax logs every read at INFO
-  from jaxspec.loading import apply_chat_template, load_model
+  from jaxspec.engine.runner import Runner
+  from jaxspec.io.loading import apply_chat_template, check_draft_pair, load_model
   try:
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value)
   except ValueError as e:
     fail(str(e))
   prompts = read_prompts()
+  if _METHOD.value == "draft" and _DRAFT_MODEL.value is None:
+    fail("--method=draft needs --draft_model")
+  if _METHOD.value != "draft" and _DRAFT_MODEL.value is not None:
+    fail(f"--draft_model is only for --method=draft, not --method={_METHOD.value}")
   dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
   try:
     loaded = load_model(_MODEL.value, dtype=dtype)
+    draft = None
+    if _DRAFT_MODEL.value is not None:
+      draft = load_model(_DRAFT_MODEL.value, dtype=dtype)
+      check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
   except (OSError, ValueError) as e:
     fail(str(e))
   tok = loaded.tokenizer
@@ -117,21 +134,17 @@ def main(argv):
   ids = [tok.encode(t, add_special_tokens=not _CHAT.value) for t in texts]
   stop_ids = loaded.stop_ids
   streamer = TextStreamer(tok, len(ids), set(stop_ids))
-  common = dict(max_new_tokens=_MAX_NEW.value, sampling=sampling, stop_ids=stop_ids,
-                seed=_SEED.value, max_len=_MAX_LEN.value, cache_dtype=dtype, on_chunk=streamer)
   try:
-    if _METHOD.value == "none":
-      from jaxspec.decode import generate
-      outputs, stats = generate(loaded.model, ids, **common)
-    else:
-      from jaxspec.speculative import speculative_generate
-      outputs, stats = speculative_generate(
-          loaded.model, ids, method=_METHOD.value, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
-          min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, **common)
+    runner = Runner(loaded.model, method=_METHOD.value, gamma=_GAMMA.value,
+                    sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
+                    draft_model=draft and draft.model, sampling=sampling, stop_ids=stop_ids,
+                    cache_dtype=dtype)
+    outputs, stats = runner.generate(ids, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
+                                     seed=_SEED.value, on_chunk=streamer)
   except ValueError as e:
     fail(str(e))
   streamer.finish(outputs)
-  print(f"[jaxspec] method {_METHOD.value} | " + stats.line(), file=sys.stderr)
+  print("[jaxspec] " + stats.line(), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ above the threshold and the emitting pass each re-read the row, which stays in L
 (a row is 2 bytes a position), and the kept positions are written in order by a running count (a
 block-wise cumsum) with a scatter store. It is bound by the compares (digit=4: 15 per key per
 pass), not by memory; with one program a row it needs many rows to fill the GPU, so the per-layer
-selection (`jaxspec.selection.per_layer_topk`) runs the kernel from 256 rows and the XLA form
+selection (`jaxspec.drafting.policies.per_layer_topk`) runs the kernel from 256 rows and the XLA form
 below. method='top_k' is lax.top_k, which sorts every row (the reference itself).
 
 Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md "Kernels", fourth session), bf16 scores,

@@ -46,3 +46,13 @@ def test_missing_model_is_named(tmp_path):
   res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi")
   assert res.returncode != 0
   assert "nope" in res.stderr and "no such checkpoint" in res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method=draft"], "--method=draft needs --draft_model"),
+    (["--method=vegas", "--draft_model=smollm2-135m"], "--draft_model is only for --method=draft"),
+])
+def test_draft_model_flags_go_together(tmp_path, args, message):
+  res = run_cli(f"--model={tmp_path / 'never-loaded'}", "--prompt=hi", *args)
+  assert res.returncode != 0
+  assert message in res.stderr.strip().splitlines()[-1]

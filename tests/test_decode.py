@@ -4,12 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.attention import AttentionPlan
-from jaxspec.config import ModelConfig
-from jaxspec.decode import generate, make_batch
-from jaxspec.kv_cache import KVCache
-from jaxspec.model import init_random
-from jaxspec.sampling import SamplingParams, filter_logits, top_k_values
+from jaxspec.model.attention import Dense, Prefill
+from jaxspec.model.config import ModelConfig
+from jaxspec.engine.runner import generate
+from jaxspec.engine.state import make_batch
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import init_random
+from jaxspec.engine.sampling import SamplingParams, filter_logits, top_k_values
 
 CFG = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope_theta=1000.0)
@@ -24,7 +25,7 @@ def full_logits(model, tokens):
   """Logits of one sequence from a single full-sequence forward pass."""
   t = jnp.asarray([tokens], jnp.int32)
   cache = KVCache.create(CFG, 1, len(tokens), jnp.float32)
-  hidden, _, _ = model(t, cache, AttentionPlan(mode="prefill"))
+  hidden, _, _ = model(t, cache.chain_positions(len(tokens)), cache, Prefill())
   return np.asarray(model.logits(hidden)[0])
 
 
@@ -37,7 +38,7 @@ def gen(model, prompts, **kw):
 def test_cached_decoding_matches_full_forward(model):
   prompt = [5, 17, 3, 88, 41, 9, 60]
   out, stats = gen(model, [prompt], max_new_tokens=12)
-  assert len(out[0]) == 12 and stats.new_tokens == 11
+  assert len(out[0]) == 12 and stats.new_tokens == 12
   logits = full_logits(model, prompt + out[0])
   # Every greedy token is the argmax of the full forward at the previous position.
   np.testing.assert_array_equal(logits[len(prompt) - 1:-1].argmax(-1), out[0])
@@ -47,11 +48,11 @@ def test_step_logits_match_full_forward(model):
   tokens = [5, 17, 3, 88, 41, 9, 60, 2, 71]
   ref = full_logits(model, tokens)
   cache = KVCache.create(CFG, 1, 16, jnp.float32)
-  hidden, cache, _ = model(jnp.asarray([tokens[:4]]), cache, AttentionPlan(mode="prefill"))
+  hidden, cache, _ = model(jnp.asarray([tokens[:4]]), cache.chain_positions(4), cache, Prefill())
   steps = [np.asarray(model.logits(hidden[0, -1]))]
   cache = cache.replace(lengths=cache.lengths + 4)
   for t in tokens[4:-1]:
-    hidden, cache, _ = model(jnp.asarray([[t]]), cache, AttentionPlan(mode="dense"))
+    hidden, cache, _ = model(jnp.asarray([[t]]), cache.chain_positions(1), cache, Dense())
     cache = cache.replace(lengths=cache.lengths + 1)
     steps.append(np.asarray(model.logits(hidden[0, 0])))
   np.testing.assert_allclose(np.stack(steps), ref[3:-1], rtol=1e-4, atol=1e-4)

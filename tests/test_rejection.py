@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import rejection, sampling
-from jaxspec.sampling import SamplingParams, probabilities
+from jaxspec.engine import rejection, sampling
+from jaxspec.engine.sampling import SamplingParams, probabilities
 
 from chi2 import chi2_pvalue
 

@@ -3,10 +3,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import pages, selection
-from jaxspec.attention import AttentionPlan, attend
-from jaxspec.config import ModelConfig
-from jaxspec.kv_cache import KVCache
+from jaxspec.drafting import pages, policies as selection
+from jaxspec.model.attention import Dense, QuestPages, ScoreSpec, attend
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.kv_cache import KVCache
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.topk_select import topk_select_reference
 from pallas_kernels.verify_attention import verify_attention_reference
@@ -27,7 +27,7 @@ def random_cache(seed=0):
   return cache, q
 
 
-def visible_sets(sel: selection.Selection, lengths, layer=0):
+def visible_sets(sel, lengths, layer=0):
   """The positions before `lengths` a draft step sees: selected indices plus the dense tail."""
   out = []
   for b in range(len(lengths)):
@@ -54,12 +54,12 @@ def test_vegas_selects_the_top_k_of_the_reference_scores(policy_cls, rows, score
   ratio, min_tokens = 0.2, 3
   k_max = selection.static_k_max(S, ratio, min_tokens)
   policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_kind=score_kind)
-  plan = policy.verify_plan("reference")
-  assert (plan.score_kind, plan.score_rows) == (score_kind, rows)
+  spec = policy.verify_scores
+  assert (spec.kind, spec.rows) == (score_kind, rows)
   scores = jnp.stack([verify_attention_reference(jnp.asarray(q[l]), cache.k[l], cache.v[l],
                                                  cache.lengths, score_kind=score_kind,
                                                  score_rows=rows)[1] for l in range(L)])
-  sel = policy.select_kv(cache, scores, cache.lengths, jnp.zeros((B,), jnp.int32), "reference")
+  sel = policy.select_kv(cache, scores, cache.lengths, jnp.zeros((B,), jnp.int32))
   prefix = LENGTHS + 1                       # keys every collected row saw: [0, first_row]
   np.testing.assert_array_equal(sel.tail_start, prefix)
   s = np.asarray(scores.astype(jnp.float32))
@@ -72,8 +72,9 @@ def test_vegas_selects_the_top_k_of_the_reference_scores(policy_cls, rows, score
 
 def test_per_row_score_dump_matches_the_reference_row_by_row():
   cache, q = random_cache(1)
-  plan = AttentionPlan(mode="dense", score_kind="weights", score_per_row=True)
-  out, per_row = attend(jnp.asarray(q[0]), None, None, cache.k[0], cache.v[0], cache.lengths, plan)
+  plan = Dense(scores=ScoreSpec("weights", per_row=True))
+  out, per_row = attend(jnp.asarray(q[0]), None, None, cache.k[0], cache.v[0], cache.lengths, plan,
+                        "reference")
   assert per_row.shape == (B, T, S)
   ref_out, _ = verify_attention_reference(jnp.asarray(q[0]), cache.k[0], cache.v[0], cache.lengths)
   np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
@@ -86,11 +87,11 @@ def test_per_row_score_dump_matches_the_reference_row_by_row():
 def test_vegas_last_uses_each_sequences_last_accepted_row():
   cache, q = random_cache(2)
   policy = selection.VegasLast(ratio=0.1, min_tokens=2, k_max=selection.static_k_max(S, 0.1, 2))
-  plan = policy.verify_plan("reference")
+  plan = Dense(scores=policy.verify_scores)
   dump = jnp.stack([attend(jnp.asarray(q[l]), None, None, cache.k[l], cache.v[l], cache.lengths,
-                           plan)[1] for l in range(L)])                    # [L, B, T, S]
+                           plan, "reference")[1] for l in range(L)])       # [L, B, T, S]
   accepted = jnp.asarray([0, 3, 2], jnp.int32)
-  sel = policy.select_kv(cache, dump, cache.lengths, accepted, "reference")
+  sel = policy.select_kv(cache, dump, cache.lengths, accepted)
   prefix = LENGTHS + np.asarray(accepted) + 1   # the row at n + a saw the whole accepted prefix
   np.testing.assert_array_equal(sel.tail_start, prefix)
   for l in range(L):
@@ -103,7 +104,7 @@ def test_vegas_last_uses_each_sequences_last_accepted_row():
 def test_streaming_keeps_sinks_and_the_recent_window():
   cache = KVCache.create(CFG, 3, S, jnp.float32).replace(lengths=jnp.asarray([100, 10, 50]))
   policy = selection.Streaming(ratio=0.1, min_tokens=0, k_max=selection.static_k_max(S, 0.1, 0))
-  sel = policy.select_kv(cache, None, None, None, "reference")
+  sel = policy.select_kv(cache, None, None, None)
   got = visible_sets(sel, [100, 10, 50])
   assert got[0] == {0, 1, 2, 3} | set(range(94, 100))   # k = 10: 4 sinks + 6 recent
   assert got[1] == {0}                                   # k = 1: one sink, no window
@@ -149,9 +150,9 @@ def test_quest_attention_mode_equals_sparse_attention_on_the_chosen_pages():
   q = jnp.asarray([[[[1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 1.0, 0, 0]]]])  # [1,1,4,4]
   page_min, page_max = pages.page_summaries(k)
   lengths = jnp.asarray([56])
-  plan = AttentionPlan(mode="quest", counts=jnp.asarray([1]), tail_start=jnp.asarray([48]),
-                       page_min=page_min, page_max=page_max, max_pages=2)
-  out, _ = attend(q, None, None, k, v, lengths, plan)
+  plan = QuestPages(pages=jnp.asarray([1]), tail_start=jnp.asarray([48]), page_min=page_min,
+                    page_max=page_max, max_pages=2)
+  out, _ = attend(q, None, None, k, v, lengths, plan, "reference")
   # KV head 0 (query heads 0, 1) wants page 1, KV head 1 (query heads 2, 3) page 0.
   idx = jnp.asarray([[np.arange(16, 32), np.arange(0, 16)]], jnp.int32)
   ref = sparse_attention_reference(q, k, v, idx, jnp.asarray([[16, 16]]), jnp.asarray([48]), lengths)
@@ -161,11 +162,11 @@ def test_quest_attention_mode_equals_sparse_attention_on_the_chosen_pages():
 def test_quest_policy_budget_and_tail():
   cache = KVCache.create(CFG, 3, S, jnp.float32).replace(lengths=jnp.asarray([100, 10, 50]))
   policy = selection.Quest(ratio=0.2, min_tokens=0, k_max=selection.static_k_max(S, 0.2, 0))
-  sel = policy.select_kv(cache, None, None, None, "reference")
+  sel = policy.select_kv(cache, None, None, None)
   np.testing.assert_array_equal(sel.tail_start, [96, 0, 48])       # the partial page is dense
-  np.testing.assert_array_equal(sel.counts[0], [2, 0, 1])           # ceil(k / 16), k = 20, 2, 10
+  np.testing.assert_array_equal(sel.pages[0], [2, 0, 1])            # ceil(k / 16), k = 20, 2, 10
   assert sel.page_min.shape == (L, 3, S // 16, HKV, D)
-  assert policy.draft_plan(sel, "reference").max_pages == pages.pages_for_budget(policy.k_max)
+  assert sel.max_pages == pages.pages_for_budget(policy.k_max)
 
 
 def test_specextend_picks_pages_by_attention_mass():
@@ -176,8 +177,8 @@ def test_specextend_picks_pages_by_attention_mass():
   cache = KVCache.create(CFG.__class__(**{**CFG.__dict__, "num_layers": 1}), 1, 64,
                          jnp.float32).replace(lengths=jnp.asarray([50]))
   policy = selection.SpecExtend(ratio=0.3, min_tokens=0, k_max=32)
-  assert policy.verify_plan("reference").score_per_row
-  sel = policy.select_kv(cache, jnp.asarray(w), jnp.asarray([49]), jnp.asarray([0]), "reference")
+  assert policy.verify_scores.per_row
+  sel = policy.select_kv(cache, jnp.asarray(w), jnp.asarray([49]), jnp.asarray([0]))
   assert int(sel.counts[0, 0]) == 16 and int(sel.tail_start[0]) == 48   # ceil(15 / 16) = 1 page
   np.testing.assert_array_equal(sel.indices[0, 0, :16], np.arange(16, 32))
 

@@ -1,14 +1,13 @@
-"""The continuous-batching harness behind the throughput benchmarks: a request served in a slot that
+"""Continuous batching (`Runner.serve`, behind the throughput benchmarks): a request served in a slot that
 was refilled mid-stream must get exactly the tokens it gets when generated alone (greedy)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.serving import Engine, serve
-from jaxspec.config import ModelConfig
-from jaxspec.decode import generate
-from jaxspec.model import init_random
-from jaxspec.sampling import SamplingParams
+from jaxspec.engine.runner import Runner, generate
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.transformer import init_random
+from jaxspec.engine.sampling import SamplingParams
 
 CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1000.0)
@@ -31,8 +30,8 @@ def prompts():
                                                   ("streaming", 2, 2), ("vegas", 2, 1)])
 def test_every_request_gets_its_own_tokens(model, prompts, method, gamma, batch):
   capacity_len = max(PROMPT_LENS) + MAX_NEW
-  eng = Engine(model, method, gamma, SamplingParams(), (), capacity_len, "reference",
-               sparsity=0.2, min_tokens=4)
+  runner = Runner(model, method=method, gamma=gamma, sampling=SamplingParams(), sparsity=0.2,
+                  min_tokens=4, backend="reference")
   got = {}
 
   def on_finish(req, tokens):
@@ -41,8 +40,8 @@ def test_every_request_gets_its_own_tokens(model, prompts, method, gamma, batch)
 
   # 7 requests through fewer slots: most are served in refilled slots. No time limit: the stream
   # runs until every request is done.
-  row, _ = serve(eng, prompts, batch, MAX_NEW, chunk=2, warmup_s=0.0, measure_s=1e9,
-                 on_finish=on_finish)
+  row, _ = runner.serve(prompts, batch, MAX_NEW, max_len=capacity_len, chunk=2, warmup_s=0.0,
+                        measure_s=1e9, on_finish=on_finish)
   assert sorted(got) == list(range(len(prompts)))
   for i, p in enumerate(prompts):
     alone, _ = generate(model, [p], max_new_tokens=MAX_NEW, max_len=capacity_len)
@@ -54,11 +53,10 @@ def test_stagger_spreads_the_first_requests(model, prompts):
   """stagger: the first B requests stop at max_new * (i + 1) / B tokens (their greedy tokens are a
   prefix of the request's alone), later ones at max_new."""
   capacity_len = max(PROMPT_LENS) + MAX_NEW
-  eng = Engine(model, "vegas", 2, SamplingParams(), (), capacity_len, "reference", sparsity=0.2,
-               min_tokens=4)
+  runner = Runner(model, method="vegas", gamma=2, sparsity=0.2, min_tokens=4, backend="reference")
   got = {}
-  serve(eng, prompts, 3, MAX_NEW, chunk=2, warmup_s=0.0, measure_s=1e9, stagger=True,
-        on_finish=lambda req, tokens: got.setdefault(req, tokens.tolist()))
+  runner.serve(prompts, 3, MAX_NEW, max_len=capacity_len, chunk=2, warmup_s=0.0, measure_s=1e9,
+               stagger=True, on_finish=lambda req, tokens: got.setdefault(req, tokens.tolist()))
   assert sorted(got) == list(range(len(prompts)))
   assert [len(got[i]) for i in range(len(prompts))] == [3, 6, 10, 10, 10, 10, 10]
   for i, p in enumerate(prompts):
@@ -98,7 +96,7 @@ def test_throughput_method_entries():
 
 def test_insert_slot_refuses_a_batch_one_state():
   """At batch 1 no leaf shows where the batch axis is: a clear error, not a silent no-op."""
-  from jaxspec.batching import insert_slot
+  from jaxspec.engine.batching import insert_slot
   one = {"tokens": jnp.zeros((1, 4), jnp.int32), "key": jnp.zeros((2,), jnp.uint32)}
   with pytest.raises(ValueError, match="batch > 1"):
     insert_slot(one, {"tokens": jnp.ones((1, 4), jnp.int32), "key": jnp.ones((2,), jnp.uint32)},

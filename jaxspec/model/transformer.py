@@ -2,11 +2,13 @@
 
 Parameter paths mirror HF names (`layers/3/self_attn/q_proj/kernel` for
 `model.layers.3.self_attn.q_proj.weight`, transposed), so the weight mapping tables in
-`jaxspec.weights` stay one line per tensor.
+`jaxspec.io.weights` stay one line per tensor.
 
-`Transformer.__call__(tokens, cache, plan)` runs T new tokens per sequence at positions
-cache.lengths + t, writes their K/V into the cache and returns the final hidden states, the updated
-cache and the per-layer criticality scores the plan asked for. `logits(hidden)` applies the LM head;
+`Transformer.__call__(tokens, positions, cache, plan, backend)` runs T new tokens per sequence:
+`positions` [B, T] are their RoPE positions (a chain passes cache.lengths + t; a tree would pass
+prefix length + depth), their K/V go into cache slots cache.lengths + t, and it returns the final
+hidden states, the cache with the new K/V written (lengths unchanged: the caller decides what to
+keep) and the per-layer criticality scores the plan asked for. `logits(hidden)` applies the LM head;
 callers pick the rows they need first, so a long prefill never materialises [B, T, vocab].
 """
 from __future__ import annotations
@@ -15,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec import kv_cache as kvc
-from jaxspec.attention import AttentionPlan, attend
-from jaxspec.config import ModelConfig
-from jaxspec.rope import apply_rope, rope_tables
+from jaxspec.model import kv_cache as kvc
+from jaxspec.model.attention import Plan, attend
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.rope import apply_rope, rope_tables
 
 
 class RMSNorm(nnx.Module):
@@ -49,7 +51,7 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
 
-  def __call__(self, x, cos, sin, positions, k_cache, v_cache, lengths, plan):
+  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend):
     cfg = self.cfg
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -58,9 +60,9 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache = kvc.write(k_cache, k, positions)
-    v_cache = kvc.write(v_cache, v, positions)
-    out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan)
+    k_cache = kvc.write(k_cache, k, slots)
+    v_cache = kvc.write(v_cache, v, slots)
+    out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan, backend)
     return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache, scores
 
 
@@ -82,9 +84,9 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin, positions, k_cache, v_cache, lengths, plan):
+  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend):
     a, k_cache, v_cache, scores = self.self_attn(
-        self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, lengths, plan)
+        self.input_layernorm(x), cos, sin, slots, k_cache, v_cache, lengths, plan, backend)
     x = x + a
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, k_cache, v_cache, scores
@@ -102,17 +104,18 @@ class Transformer(nnx.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, param_dtype, rngs)
 
-  def __call__(self, tokens: jax.Array, cache: kvc.KVCache, plan: AttentionPlan
-               ) -> tuple[jax.Array, kvc.KVCache, jax.Array | None]:
-    """tokens [B, T] -> (hidden [B, T, H], cache with the new K/V written, scores [L, B, S] | None)."""
+  def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kvc.KVCache, plan: Plan,
+               backend: str = "reference") -> tuple[jax.Array, kvc.KVCache, jax.Array | None]:
+    """tokens, positions [B, T] -> (hidden [B, T, H], cache with the new K/V written,
+    scores [L, B, ...] | None). `backend`: see `jaxspec.model.attention.BACKENDS`."""
     t = tokens.shape[1]
-    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     cos, sin = rope_tables(self.cfg, positions)
     x = self.embed_tokens(tokens)
     ks, vs, scores = [], [], []
     for i, layer in enumerate(self.layers):
-      x, k, v, s = layer(x, cos, sin, positions, cache.k[i], cache.v[i], cache.lengths,
-                         plan.for_layer(i))
+      x, k, v, s = layer(x, cos, sin, slots, cache.k[i], cache.v[i], cache.lengths,
+                         plan.for_layer(i), backend)
       ks.append(k)
       vs.append(v)
       scores.append(s)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.config import ModelConfig
-from jaxspec.model import Transformer, abstract_model
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.transformer import Transformer, abstract_model
 
 CONFIG_FILE = "jaxspec_config.json"   # marks an orbax checkpoint written by jaxspec.convert
 PARAMS_DIR = "params"                 # the orbax item inside such a checkpoint

@@ -1,16 +1,16 @@
-"""KV selection policies for self-speculative drafting: which cache entries a draft step attends to.
+"""KV selection policies for self-drafting: which cache entries a draft step attends to.
 
 One small interface (`SelectionPolicy`), one frozen, hashable dataclass per policy (static under
-jit). Every round the loop asks a policy three things:
+jit). Every round the loop asks a policy two things:
 
-  verify_plan(backend)   what the full-attention verification pass must also collect (scores)
-  select_kv(cache, scores, first_row, accepted, backend) -> Selection
+  verify_scores          the `ScoreSpec` the full-attention verification pass must also collect
+                         (None: no scores)
+  select_kv(cache, scores, first_row, accepted) -> the draft plan
                          runs after verification (and once after prefill), with the lengths
-                         already moved to the accepted prefix
-  draft_plan(selection, backend)
-                         the AttentionPlan of every draft step of the next round
+                         already moved to the accepted prefix; returns the attention plan every
+                         draft step of the next round uses (`Sparse`, `QuestPages` or `Dense`)
 
-A Selection is "selected prefix positions + a dense tail": the drafts see indices[:counts] of the
+A sparse plan is "selected prefix positions + a dense tail": the drafts see indices[:counts] of the
 cache before `tail_start`, plus every position from `tail_start` on (the tokens accepted since the
 scores were taken, and the drafts themselves). `first_row` is the cache position of the first
 query row the scores came from, so the keys every collected row saw are [0, first_row].
@@ -26,7 +26,7 @@ Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `bud
               last token when a = 0), the newest token in the cache, which saw the whole accepted
               prefix. Its index varies per sequence and is known only from the verification's
               logits, i.e. after every attention layer ran, so verification dumps every row's
-              scores ([L, B, T, S], `score_per_row`) and the policy gathers row a per sequence.
+              scores ([L, B, T, S], `ScoreSpec(per_row=True)`) and the policy gathers row a.
   specextend  SpecExtend's cross-model retrieval applied layer-wise (as the Vegas paper does for its
               baseline): the last accepted token's softmax *weights* from the same all-rows dump,
               summed per 16-token page, top pages at the same token budget.
@@ -34,16 +34,19 @@ Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `bud
               together the same token budget.
   quest       Quest / MagicDec-Quest: per-page (16 tokens) channel-wise min/max key summaries,
               refreshed once per round here; the page scores are recomputed at every draft step
-              from that step's query inside the attention ('quest' plan mode), per KV head; the top
+              from that step's query inside the attention (`QuestPages`), per KV head; the top
               ceil(k / 16) full pages, the partial last page in the dense tail.
   dense       full attention while drafting (the acceptance upper bound).
-The vanilla method 'none' has no policy (`jaxspec.speculative` delegates it to `decode.generate`).
 
 The first round after prefill: the prefill's own full attention gives one free score row, each
-prompt's last token against the whole prompt (`AttentionPlan(mode='prefill', score_kind=...)`).
-It is the query closest to the first drafts, so every score-based policy selects from it (with
-first_row = prompt_len - 1, accepted = 0 it is exactly the 'last accepted token' row vegas-last and
-specextend use later). Streaming and quest need no scores.
+prompt's last token against the whole prompt (`Prefill(scores=...)`). It is the query closest to
+the first drafts, so every score-based policy selects from it (with first_row = prompt_len - 1,
+accepted = 0 it is exactly the 'last accepted token' row vegas-last and specextend use later).
+Streaming and quest need no scores.
+
+`backend` (bound once, by the engine) picks the top-k implementation: the Pallas kernel on the
+'pallas' backend when there are enough rows to fill a GPU, always on 'interpret' (so that CPU tests
+run it), the XLA threshold select otherwise.
 """
 from __future__ import annotations
 
@@ -53,26 +56,16 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from jaxspec import pages
-from jaxspec.attention import AttentionPlan
-from jaxspec.kv_cache import KVCache
+from jaxspec.drafting import pages
+from jaxspec.model.attention import Dense as DensePlan
+from jaxspec.model.attention import Plan, QuestPages, ScoreSpec, Sparse, check_backend
+from jaxspec.model.kv_cache import KVCache
 from pallas_kernels import topk_select as _topk
 
-METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
+SELF_DRAFTING = ("dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
 SCORE_KINDS = ("logits", "weights")
 NUM_SINKS = 4   # StreamingLLM's attention sinks
-
-
-@struct.dataclass
-class Selection:
-  """What the next round's draft steps attend to (fields a policy does not use stay small)."""
-  indices: jax.Array      # [L, B, K] int32 selected positions (< tail_start)
-  counts: jax.Array       # [L, B] int32 valid entries of indices (quest: pages to keep)
-  tail_start: jax.Array   # [B] int32 dense from here on
-  page_min: jax.Array | None = None   # quest: [L, B, P, Hkv, D]
-  page_max: jax.Array | None = None
 
 
 def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
@@ -98,17 +91,21 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
 
   The sorting-free threshold select of `pallas_kernels.topk_select` (exact, ties to the lower
   position, positions ascending; at 24 layers x 64 sequences x 33K positions `lax.top_k` sorts
-  every row, benchmarks/RESULTS.md): its Pallas kernel on the 'pallas' backend for bf16 scores,
-  its XLA form otherwise, and for fewer rows than `_TOPK_KERNEL_MIN_ROWS` (one program a row leaves
-  most SMs idle). Both return the same indices.
+  every row, benchmarks/RESULTS.md): its Pallas kernel for bf16 scores on the 'pallas' backend
+  from `_TOPK_KERNEL_MIN_ROWS` rows up (one program a row leaves most SMs idle below that) and
+  always on 'interpret', its XLA form otherwise. Both return the same indices.
   """
   n_layers, b, s = scores.shape
-  kernel = (backend == "pallas" and scores.dtype == jnp.bfloat16
-            and n_layers * b >= _TOPK_KERNEL_MIN_ROWS)
-  method = "pallas" if kernel else "threshold"
+  bf16 = scores.dtype == jnp.bfloat16
+  if backend == "interpret" and bf16:
+    method, interpret = "pallas", True
+  elif backend == "pallas" and bf16 and n_layers * b >= _TOPK_KERNEL_MIN_ROWS:
+    method, interpret = "pallas", False
+  else:
+    method, interpret = "threshold", False
   k = jnp.tile(budget(prefix, ratio, min_tokens, k_max), n_layers)     # [L * B]
   idx = _topk.topk_select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers), k,
-                          k_max=k_max, method=method)
+                          k_max=k_max, method=method, interpret=interpret)
   return idx.reshape(n_layers, b, k_max), k.reshape(n_layers, b)
 
 
@@ -121,45 +118,34 @@ def _row_of_last_accepted(scores, accepted):
 
 @dataclasses.dataclass(frozen=True)
 class SelectionPolicy:
-  """Base: token budget settings shared by every policy. Subclasses override the three hooks."""
+  """Base: token budget settings shared by every policy. Subclasses override the hooks."""
   ratio: float = 0.07
   min_tokens: int = 256
   k_max: int = 256
   score_kind: str = "logits"
+  backend: str = "reference"
   name: ClassVar[str] = ""
 
   @property
-  def prefill_score_kind(self) -> str | None:
-    """Score kind the prefill must return for the first round (None: no scores needed)."""
+  def prefill_scores(self) -> ScoreSpec | None:
+    """Scores the prefill must return for the first round (None: no scores needed)."""
     return None
 
-  def verify_plan(self, backend: str) -> AttentionPlan:
-    return AttentionPlan(mode="dense", backend=backend)
+  @property
+  def verify_scores(self) -> ScoreSpec | None:
+    return None
 
   def select_kv(self, cache: KVCache, scores: jax.Array | None, first_row: jax.Array,
-                accepted: jax.Array, backend: str) -> Selection:
+                accepted: jax.Array) -> Plan:
     raise NotImplementedError
-
-  def draft_plan(self, sel: Selection, backend: str) -> AttentionPlan:
-    return AttentionPlan(mode="sparse", backend=backend, indices=sel.indices, counts=sel.counts,
-                         tail_start=sel.tail_start)
-
-  def _empty(self, cache: KVCache) -> Selection:
-    n_layers, b = len(cache.k), cache.batch
-    return Selection(indices=jnp.zeros((n_layers, b, 1), jnp.int32),
-                     counts=jnp.zeros((n_layers, b), jnp.int32),
-                     tail_start=jnp.zeros((b,), jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
 class Dense(SelectionPolicy):
   name: ClassVar[str] = "dense"
 
-  def select_kv(self, cache, scores, first_row, accepted, backend):
-    return self._empty(cache)
-
-  def draft_plan(self, sel, backend):
-    return AttentionPlan(mode="dense", backend=backend)
+  def select_kv(self, cache, scores, first_row, accepted):
+    return DensePlan()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,18 +155,18 @@ class Vegas(SelectionPolicy):
   score_rows: ClassVar[tuple[int, ...] | None] = (0, -1)   # Collect-2-Query
 
   @property
-  def prefill_score_kind(self):
-    return self.score_kind
+  def prefill_scores(self):
+    return ScoreSpec(self.score_kind)
 
-  def verify_plan(self, backend):
-    return AttentionPlan(mode="dense", backend=backend, score_kind=self.score_kind,
-                         score_rows=self.score_rows)
+  @property
+  def verify_scores(self):
+    return ScoreSpec(self.score_kind, rows=self.score_rows)
 
-  def select_kv(self, cache, scores, first_row, accepted, backend):
+  def select_kv(self, cache, scores, first_row, accepted):
     prefix = first_row + 1
     idx, cnt = per_layer_topk(scores, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
-                              k_max=self.k_max, backend=backend)
-    return Selection(indices=idx, counts=cnt, tail_start=prefix)
+                              k_max=self.k_max, backend=self.backend)
+    return Sparse(indices=idx, counts=cnt, tail_start=prefix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,18 +181,18 @@ class VegasLast(SelectionPolicy):
   name: ClassVar[str] = "vegas-last"
 
   @property
-  def prefill_score_kind(self):
-    return self.score_kind
+  def prefill_scores(self):
+    return ScoreSpec(self.score_kind)
 
-  def verify_plan(self, backend):
-    return AttentionPlan(mode="dense", backend=backend, score_kind=self.score_kind,
-                         score_per_row=True)
+  @property
+  def verify_scores(self):
+    return ScoreSpec(self.score_kind, per_row=True)
 
-  def select_kv(self, cache, scores, first_row, accepted, backend):
+  def select_kv(self, cache, scores, first_row, accepted):
     prefix = first_row + accepted + 1        # the keys that row saw: the whole accepted prefix
     idx, cnt = per_layer_topk(_row_of_last_accepted(scores, accepted), prefix, ratio=self.ratio,
-                              min_tokens=self.min_tokens, k_max=self.k_max, backend=backend)
-    return Selection(indices=idx, counts=cnt, tail_start=prefix)
+                              min_tokens=self.min_tokens, k_max=self.k_max, backend=self.backend)
+    return Sparse(indices=idx, counts=cnt, tail_start=prefix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,13 +201,14 @@ class SpecExtend(SelectionPolicy):
   name: ClassVar[str] = "specextend"
 
   @property
-  def prefill_score_kind(self):
-    return "weights"
+  def prefill_scores(self):
+    return ScoreSpec("weights")
 
-  def verify_plan(self, backend):
-    return AttentionPlan(mode="dense", backend=backend, score_kind="weights", score_per_row=True)
+  @property
+  def verify_scores(self):
+    return ScoreSpec("weights", per_row=True)
 
-  def select_kv(self, cache, scores, first_row, accepted, backend):
+  def select_kv(self, cache, scores, first_row, accepted):
     prefix = first_row + accepted + 1
     row = _row_of_last_accepted(scores, accepted).astype(jnp.float32)      # [L, B, S]
     n_layers, b, s = row.shape
@@ -231,7 +218,7 @@ class SpecExtend(SelectionPolicy):
     want = pages.pages_for_budget(budget(prefix, self.ratio, self.min_tokens, self.k_max))
     idx, cnt = pages.top_pages(mass, n_full[None], want[None],
                                pages.pages_for_budget(self.k_max), pages.PAGE_SIZE)
-    return Selection(indices=idx, counts=cnt, tail_start=n_full * pages.PAGE_SIZE)
+    return Sparse(indices=idx, counts=cnt, tail_start=n_full * pages.PAGE_SIZE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,39 +226,33 @@ class Streaming(SelectionPolicy):
   """Attention sinks + recent window: sinks as indices, the window as the dense tail."""
   name: ClassVar[str] = "streaming"
 
-  def select_kv(self, cache, scores, first_row, accepted, backend):
+  def select_kv(self, cache, scores, first_row, accepted):
     lengths = cache.lengths
     k = budget(lengths, self.ratio, self.min_tokens, self.k_max)
     sinks = jnp.minimum(NUM_SINKS, k)
     window = k - sinks
     n_layers, b = len(cache.k), cache.batch
     idx = jnp.broadcast_to(jnp.arange(NUM_SINKS, dtype=jnp.int32), (n_layers, b, NUM_SINKS))
-    return Selection(indices=idx, counts=jnp.broadcast_to(sinks, (n_layers, b)),
-                     tail_start=lengths - window)
+    return Sparse(indices=idx, counts=jnp.broadcast_to(sinks, (n_layers, b)),
+                  tail_start=lengths - window)
 
 
 @dataclasses.dataclass(frozen=True)
 class Quest(SelectionPolicy):
-  """Quest: page summaries once per round; per-step page choice inside the 'quest' attention."""
+  """Quest: page summaries once per round; per-step page choice inside the attention."""
   name: ClassVar[str] = "quest"
 
-  def select_kv(self, cache, scores, first_row, accepted, backend):
+  def select_kv(self, cache, scores, first_row, accepted):
     lengths = cache.lengths
     n_full = lengths // pages.PAGE_SIZE
     want = pages.pages_for_budget(budget(lengths, self.ratio, self.min_tokens, self.k_max))
     # Layer by layer: stacking the layers' keys first would copy the whole K cache every round.
     summaries = [pages.page_summaries(k, pages.PAGE_SIZE) for k in cache.k]
-    page_min = jnp.stack([lo for lo, _ in summaries])
-    page_max = jnp.stack([hi for _, hi in summaries])
-    n_layers = len(cache.k)
-    return Selection(indices=jnp.zeros((n_layers, cache.batch, 1), jnp.int32),
-                     counts=jnp.broadcast_to(jnp.minimum(want, n_full), (n_layers, cache.batch)),
-                     tail_start=n_full * pages.PAGE_SIZE, page_min=page_min, page_max=page_max)
-
-  def draft_plan(self, sel, backend):
-    return AttentionPlan(mode="quest", backend=backend, counts=sel.counts,
-                         tail_start=sel.tail_start, page_min=sel.page_min, page_max=sel.page_max,
-                         max_pages=pages.pages_for_budget(self.k_max))
+    return QuestPages(pages=jnp.broadcast_to(jnp.minimum(want, n_full), (len(cache.k), cache.batch)),
+                      tail_start=n_full * pages.PAGE_SIZE,
+                      page_min=jnp.stack([lo for lo, _ in summaries]),
+                      page_max=jnp.stack([hi for _, hi in summaries]),
+                      max_pages=pages.pages_for_budget(self.k_max))
 
 
 POLICIES: dict[str, type[SelectionPolicy]] = {
@@ -280,8 +261,9 @@ POLICIES: dict[str, type[SelectionPolicy]] = {
 
 def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str) -> None:
   """Raise a clear ValueError for settings no policy accepts."""
-  if method not in METHODS:
-    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+  if method not in POLICIES:
+    raise ValueError(f"unknown method {method!r} for self-drafting; choose one of "
+                     f"{', '.join(SELF_DRAFTING)}")
   if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
     raise ValueError(f"sparsity ratio must be in (0, 1], got {ratio!r}")
   if not isinstance(min_tokens, int) or min_tokens < 0:
@@ -291,10 +273,8 @@ def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str) -> 
 
 
 def make_policy(method: str, *, ratio: float, min_tokens: int, k_max: int,
-                score_kind: str = "logits") -> SelectionPolicy:
-  """The policy for a speculative method name (not 'none', which has no drafting)."""
+                score_kind: str = "logits", backend: str = "reference") -> SelectionPolicy:
+  """The policy for a self-drafting method name."""
   validate(method, ratio=ratio, min_tokens=min_tokens, score_kind=score_kind)
-  if method == "none":
-    raise ValueError("method 'none' is vanilla decoding: it has no selection policy")
   return POLICIES[method](ratio=float(ratio), min_tokens=min_tokens, k_max=k_max,
-                          score_kind=score_kind)
+                          score_kind=score_kind, backend=check_backend(backend))

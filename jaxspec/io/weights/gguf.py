@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxspec.config import ARCHITECTURES, ModelConfig, RopeScaling
-from jaxspec.model import Transformer
-from jaxspec.rope import inverse_frequencies
-from jaxspec.weights import ParamDict, WeightsError, build_model
+from jaxspec.model.config import ARCHITECTURES, ModelConfig, RopeScaling
+from jaxspec.model.transformer import Transformer
+from jaxspec.model.rope import inverse_frequencies
+from jaxspec.io.weights import ParamDict, WeightsError, build_model
 
 if TYPE_CHECKING:
   from transformers import PreTrainedTokenizerBase

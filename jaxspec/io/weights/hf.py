@@ -13,9 +13,9 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from jaxspec.config import ModelConfig
-from jaxspec.model import Transformer
-from jaxspec.weights import ParamDict, WeightsError, build_model
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.transformer import Transformer
+from jaxspec.io.weights import ParamDict, WeightsError, build_model
 
 if TYPE_CHECKING:
   from transformers import PreTrainedTokenizerBase

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 
 from jaxspec import fetch as fetch_lib
-from jaxspec.config import ModelConfig
-from jaxspec.model import Transformer
-from jaxspec.weights import WeightsError, source_kind
-from jaxspec.weights import checkpoint
-from jaxspec.weights import gguf as gguf_weights
-from jaxspec.weights import hf as hf_weights
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.transformer import Transformer
+from jaxspec.io.weights import WeightsError, source_kind
+from jaxspec.io.weights import checkpoint
+from jaxspec.io.weights import gguf as gguf_weights
+from jaxspec.io.weights import hf as hf_weights
 
 if TYPE_CHECKING:
   from transformers import PreTrainedTokenizerBase
@@ -62,6 +62,18 @@ def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False) 
     cfg, model = gguf_weights.load(path, dtype=dtype, progress=progress)
     tokenizer = gguf_weights.load_tokenizer(path)
   return LoadedModel(cfg=cfg, model=model, tokenizer=tokenizer, source=path)
+
+
+def check_draft_pair(target: LoadedModel, draft: LoadedModel, target_name: str,
+                     draft_name: str) -> None:
+  """Raise a one-line ValueError unless the draft model shares the target's tokenizer (the same
+  vocabulary, token for token): speculative decoding compares their token ids."""
+  same = target.cfg.vocab_size == draft.cfg.vocab_size
+  if same and target.tokenizer is not None and draft.tokenizer is not None:
+    same = target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+  if not same:
+    raise ValueError(f"draft model {draft_name} ({draft.cfg.vocab_size} tokens) and target "
+                     f"{target_name} ({target.cfg.vocab_size} tokens) do not share a tokenizer")
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, prompt: str) -> str:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.model.config import ModelConfig
 
 
 @struct.dataclass
@@ -34,6 +34,10 @@ class KVCache:
   @property
   def capacity(self) -> int:
     return self.k[0].shape[1]
+
+  def chain_positions(self, t: int) -> jax.Array:
+    """[B, t] positions of t new tokens that continue each sequence: lengths + 0..t-1."""
+    return self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
 
 
 def write(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxspec.config import ModelConfig
-from jaxspec.model import Transformer
-from jaxspec.weights import (CONFIG_FILE, PARAMS_DIR, WeightsError, abstract_params, build_model,
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.transformer import Transformer
+from jaxspec.io.weights import (CONFIG_FILE, PARAMS_DIR, WeightsError, abstract_params, build_model,
                              check_params, flat, nested)
 
 if TYPE_CHECKING:

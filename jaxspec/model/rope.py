@@ -6,7 +6,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import ModelConfig
+from jaxspec.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:

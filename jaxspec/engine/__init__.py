@@ -1,0 +1,1 @@
+"""The engine: decode state, prefill, the vanilla and speculative loops, rejection sampling, the runner."""

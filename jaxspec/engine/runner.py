@@ -1,0 +1,462 @@
+"""The runner: one model (and optionally a draft model), one method, compiled loops, on the host.
+
+`Runner(model, method=..., ...)` binds the static settings once and compiles, per set of shapes, a
+prefill and a chunk of the decode loop (vanilla one-token steps, or speculative rounds with the
+state, so both caches, donated). Compiled executables are cached on the instance: reuse a Runner to
+avoid compiling again.
+
+  generate(prompts, ...)   a batch of token-id prompts, streamed per chunk through `on_chunk`
+  serve(prompts, ...)      continuous batching over a request stream: finished slots are refilled
+                           with freshly prefilled requests (`batching.insert_slot`)
+  time_phases(state, ...)  draft / verify / update timed separately (speculative methods)
+
+Methods (`METHODS`): 'none' is vanilla decoding, its compiled step the plain one-token step (the
+baseline every speedup is measured against); 'draft' drafts with a separate draft model; the rest
+are self-drafting policies (`jaxspec.drafting.policies`).
+
+Greedy speculative output equals vanilla greedy output exactly in float32. In bfloat16 the
+verification pass (gamma + 1 rows) and the one-token step round differently, so texts can part
+at near-ties. Sampled output follows the same distribution as vanilla sampling.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxspec.drafting import policies
+from jaxspec.drafting.draft_model import DraftModelDrafter
+from jaxspec.drafting.self_drafting import SelfDrafter
+from jaxspec.engine.batching import insert_slot
+from jaxspec.engine.config import RunConfig
+from jaxspec.engine.prefill import prefill
+from jaxspec.engine.sampling import SamplingParams
+from jaxspec.engine.speculative import acceptance_summary, speculative_chunk, verify
+from jaxspec.engine.state import SpecState, capacity_for, decode_state, make_batch
+from jaxspec.engine.vanilla import decode_chunk
+from jaxspec.model.attention import check_backend, default_backend
+from jaxspec.model.transformer import Transformer
+
+METHODS = ("none", "draft", *policies.SELF_DRAFTING)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+  prompt_tokens: int = 0
+  new_tokens: int = 0        # every generated token, the one sampled at prefill included
+  first_tokens: int = 0      # of which sampled at prefill (not counted in the decode rate)
+  compile_s: float = 0.0     # kept apart from prefill_s and decode_s
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+  rounds: int = 0            # decode steps, or draft-verify rounds for speculative methods
+  extra: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    decoded = self.new_tokens - self.first_tokens
+    return decoded / self.decode_s if self.decode_s > 0 else float("nan")
+
+  def line(self) -> str:
+    """One line: counts, prefill time, decode rate (tokens after the first), compile time, and
+    the method's own figures."""
+    s = (f"prompt tokens {self.prompt_tokens} | new tokens {self.new_tokens} | "
+         f"prefill {self.prefill_s:.3f} s | decode {self.decode_tokens_per_s:.1f} tok/s | "
+         f"compile {self.compile_s:.1f} s")
+    return s + "".join(f" | {k} {v}" for k, v in self.extra.items())
+
+
+def _merge(graphdefs, params):
+  target = nnx.merge(graphdefs[0], params[0])
+  draft = None if graphdefs[1] is None else nnx.merge(graphdefs[1], params[1])
+  return target, draft
+
+
+@functools.partial(jax.jit, static_argnames=("graphdefs", "config", "max_new_buffer"))
+def _prefill(graphdefs, params, prompts, prompt_lens, max_new, key, *, config, max_new_buffer):
+  target, draft = _merge(graphdefs, params)
+  return prefill(target, draft, prompts, prompt_lens, max_new, key, config, max_new_buffer)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdefs", "config", "steps"),
+                   donate_argnames=("state",))
+def _chunk(graphdefs, params, state, *, steps, config):
+  target, draft = _merge(graphdefs, params)
+  if config.speculative:
+    return speculative_chunk(target, draft, state, steps, config)
+  return decode_chunk(target, state, steps, config)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+  return int(value)
+
+
+class Runner:
+  """Compiled decoding of one model with one method (see the module docstring).
+
+  method: one of METHODS; gamma: drafts per round (static); sparsity: the fraction of the prefix
+  self-drafts attend to, in (0, 1]; min_tokens: the budget floor; score_kind: 'logits' | 'weights'
+  for the vegas family; draft_model: the drafter for method 'draft' (same vocabulary as the
+  target); backend: 'reference', 'pallas' or 'interpret' (default: pallas on a GPU).
+  """
+
+  def __init__(self, model: Transformer, *, method: str = "none", gamma: int = 6,
+               sparsity: float = 0.07, min_tokens: int = 256, score_kind: str = "logits",
+               draft_model: Transformer | None = None, sampling: SamplingParams = SamplingParams(),
+               stop_ids: Sequence[int] = (), cache_dtype=jnp.bfloat16, backend: str | None = None):
+    if method not in METHODS:
+      raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "draft" and draft_model is None:
+      raise ValueError("method 'draft' needs a draft model (--draft_model)")
+    if method != "draft" and draft_model is not None:
+      raise ValueError(f"a draft model was given, but method {method!r} does not use one "
+                       "(use method 'draft')")
+    if draft_model is not None and draft_model.cfg.vocab_size != model.cfg.vocab_size:
+      raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) is not "
+                       f"the target's ({model.cfg.vocab_size}): they must share a tokenizer")
+    if method in policies.SELF_DRAFTING:
+      policies.validate(method, ratio=sparsity, min_tokens=min_tokens, score_kind=score_kind)
+    self.method = method
+    self.gamma = 0 if method == "none" else _check_int("gamma (draft tokens per round)", gamma, 1)
+    self.sparsity, self.min_tokens, self.score_kind = sparsity, min_tokens, score_kind
+    self.sampling = sampling
+    self.stop_ids = tuple(sorted(set(int(s) for s in stop_ids)))
+    self.cache_dtype = jnp.dtype(cache_dtype).name
+    self.backend = check_backend(backend or default_backend())
+    self.model, self.draft_model = model, draft_model
+    target_gd, target_params = nnx.split(model)
+    draft_gd, draft_params = nnx.split(draft_model) if draft_model is not None else (None, None)
+    self._graphdefs = (target_gd, draft_gd)
+    self._params = (target_params, draft_params)
+    self._compiled: dict = {}
+
+  @property
+  def speculative(self) -> bool:
+    return self.method != "none"
+
+  @property
+  def spare(self) -> int:
+    """Cache slots past max_len that a step needs (gamma + 1 to verify)."""
+    return self.gamma + 1
+
+  def config(self, capacity: int) -> RunConfig:
+    """The static run configuration for a cache of `capacity` slots per sequence."""
+    drafter = None
+    if self.method == "draft":
+      drafter = DraftModelDrafter()
+    elif self.speculative:
+      drafter = SelfDrafter(policies.make_policy(
+          self.method, ratio=self.sparsity, min_tokens=self.min_tokens,
+          k_max=policies.static_k_max(capacity, self.sparsity, self.min_tokens),
+          score_kind=self.score_kind, backend=self.backend))
+    return RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
+                     backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
+                     drafter=drafter)
+
+  def _check_context(self, max_len: int) -> None:
+    if self.draft_model is not None and max_len > self.draft_model.cfg.max_position_embeddings:
+      raise ValueError(f"{max_len} tokens per sequence exceed the draft model's context "
+                       f"({self.draft_model.cfg.max_position_embeddings} positions)")
+
+  # -- compiled pieces ---------------------------------------------------------------------------
+
+  def _compile(self, jitted, *args, **static):
+    """(compiled callable on the non-static args, seconds spent compiling: 0 when cached)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    key = (jitted, treedef, tuple(sorted(static.items(), key=lambda kv: kv[0])),
+           tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x)))) for x in leaves))
+    if key in self._compiled:
+      return self._compiled[key], 0.0
+    t0 = time.perf_counter()
+    compiled = jitted.lower(self._graphdefs, *args, **static).compile()
+    self._compiled[key] = compiled
+    return compiled, time.perf_counter() - t0
+
+  def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+            max_len: int | None = None, seed: int = 0, max_new_buffer: int | None = None):
+    """Prefill: (the state the loops start from, seconds spent compiling, the Batch)."""
+    batch = make_batch(prompts, max_new_tokens, max_len, spare=self.spare,
+                       max_new_buffer=max_new_buffer)
+    self._check_context(max_len or int(batch.prompt_lens.max() + batch.max_new.max()))
+    args = (self._params, jnp.asarray(batch.prompts), jnp.asarray(batch.prompt_lens),
+            jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
+    run, seconds = self._compile(_prefill, *args, config=self.config(batch.capacity),
+                                 max_new_buffer=batch.max_new_buffer)
+    return run(*args), seconds, batch
+
+  def step(self, state, steps: int):
+    """Up to `steps` decode steps (vanilla) or rounds (speculative) on `state` (donated):
+    (the new state, seconds spent compiling)."""
+    capacity = decode_state(state).cache.capacity
+    run, seconds = self._compile(_chunk, self._params, state, steps=steps,
+                                 config=self.config(capacity))
+    return run(self._params, state), seconds
+
+  # -- a batch -----------------------------------------------------------------------------------
+
+  def generate(self, prompts: Sequence[Sequence[int]], *,
+               max_new_tokens: int | Sequence[int] = 128, max_len: int | None = None,
+               seed: int = 0, chunk: int | None = None,
+               on_chunk: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
+               ) -> tuple[list[list[int]], GenerationStats]:
+    """Decode a batch of token-id prompts. Returns (new tokens per prompt, stats).
+
+    `chunk`: steps (vanilla, default 64) or rounds (speculative, default 16) per compiled call;
+    `on_chunk(tokens [B, N], num_new [B], done [B])` runs on the host after prefill and after
+    every chunk (for streaming). stats.extra for speculative methods: method, gamma,
+    mean_accepted_tokens (per round, incl. the corrected/bonus token), acceptance_by_position
+    (gamma floats), verify_rounds (sequence-rounds counted).
+    """
+    if chunk is None:
+      chunk = 16 if self.speculative else 64
+    chunk = _check_int("chunk", chunk, 1)
+    stats = GenerationStats()
+    state, stats.compile_s, batch = self.start(prompts, max_new_tokens, max_len=max_len, seed=seed)
+    stats.prompt_tokens = int(batch.prompt_lens.sum())
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(state)
+    stats.prefill_s = time.perf_counter() - t0
+
+    def report(s):
+      ds = decode_state(s)
+      if on_chunk:
+        on_chunk(*jax.device_get((ds.tokens, ds.num_new, ds.done)))
+      return bool(np.asarray(ds.done).all())
+
+    done = report(state)
+    stats.first_tokens = int(np.asarray(decode_state(state).num_new).sum())
+    if not done:   # compile the chunk before the clock starts
+      stats.compile_s += self._compile(_chunk, self._params, state, steps=chunk,
+                                       config=self.config(batch.capacity))[1]
+    t0 = time.perf_counter()
+    while not done:
+      state, _ = self.step(state, chunk)
+      stats.rounds += 0 if self.speculative else chunk
+      done = report(state)
+    jax.block_until_ready(state)
+    stats.decode_s = time.perf_counter() - t0
+    ds = decode_state(state)
+    tokens, num_new = jax.device_get((ds.tokens, ds.num_new))
+    stats.new_tokens = int(num_new.sum())
+    stats.extra = {"method": self.method}
+    if self.speculative:
+      hist, rounds = jax.device_get((state.accept_hist, state.rounds))
+      stats.rounds = int(rounds)
+      acc = acceptance_summary(hist)
+      stats.extra.update(
+          gamma=self.gamma, mean_accepted_tokens=round(acc["mean_accepted_tokens"], 4),
+          acceptance_by_position=[round(p, 4) for p in acc["acceptance_by_position"]],
+          verify_rounds=acc["verify_rounds"])
+    return [tokens[i, :num_new[i]].tolist() for i in range(len(prompts))], stats
+
+  # -- continuous batching -----------------------------------------------------------------------
+
+  def _prefill_one(self, prompt, max_new: int, max_len: int, seed: int, budget: int | None = None):
+    state, _, _ = self.start([prompt], budget or max_new, max_len=max_len, seed=seed,
+                             max_new_buffer=max_new)
+    return state
+
+  def serve(self, prompts: list[list[int]], batch: int, max_new: int, *, max_len: int,
+            chunk: int, warmup_s: float, measure_s: float, seed: int = 0, stagger: bool = False,
+            on_finish: Callable[[int, np.ndarray], None] | None = None) -> tuple[dict, object]:
+    """Continuous batching over the request stream, B = `batch` slots of `max_len` tokens each.
+
+    Every `chunk` steps (or rounds) finished slots are refilled with the next request, prefilled
+    on its own and inserted into the slot. stagger: the first B requests may generate
+    max_new * (i + 1) / B tokens (slot i), every later one max_new. Requests of one length that
+    start together also finish together, so the window would see waves of B refills and little
+    decoding between them; staggered, the slots finish evenly spread over one request's lifetime,
+    as in a server that has been running for a while.
+    Returns (the measured window's numbers, the final state: a steady-state batch to profile).
+    `on_finish(request index, its new tokens)` runs for every request that finishes.
+    """
+    queue = collections.deque(range(len(prompts)))
+    # The first B requests go in one by one, like every later refill: a batched prefill of B long
+    # prompts needs activation memory for B x 32K tokens at once (it ran out of memory on an H200
+    # at B=64). The placeholder one-token batch only fixes the state's static sizes.
+    t_setup = time.perf_counter()
+    state, _, _ = self.start([[0]] * batch, max_new, max_len=max_len, seed=seed,
+                             max_new_buffer=max_new)
+    slot_req = [queue.popleft() for _ in range(batch)]
+    reported = np.zeros(batch, bool)
+
+    def put(state, fresh, slot):
+      return fresh if batch == 1 else insert_slot(state, fresh, jnp.int32(slot))
+
+    for slot, req in enumerate(slot_req):
+      budget = max(1, max_new * (slot + 1) // batch) if stagger else max_new
+      state = put(state, self._prefill_one(prompts[req], max_new, max_len, seed + req, budget),
+                  slot)
+
+    def progress(state):
+      ds = decode_state(state)
+      hist = state.accept_hist.sum(0) if self.speculative else None
+      return jax.device_get((ds.num_new, ds.done, hist))
+
+    def finish(slots):
+      for slot in slots:
+        if on_finish is not None and not reported[slot]:
+          ds = decode_state(state)
+          n, toks = jax.device_get((ds.num_new[slot], ds.tokens[slot]))
+          on_finish(slot_req[slot], toks[:n])
+        reported[slot] = True
+
+    state, _ = self.step(state, chunk)            # compiles the chunk
+    num_new, done, hist = progress(state)
+    t_setup = time.perf_counter() - t_setup
+    counted = dict(tokens=0, seconds=0.0, refill_s=0.0, rounds=0, finished=0)
+    hist_window = None
+    t_start = time.perf_counter()
+    measuring, t_measure = False, 0.0
+    bar = tqdm(total=warmup_s + measure_s, desc=self.method, unit="s", file=sys.stderr,
+               bar_format="{desc}: {n:.0f}/{total:.0f} s {postfix}",
+               disable=not sys.stderr.isatty())
+    while True:
+      t0 = time.perf_counter()
+      state, _ = self.step(state, chunk)
+      new_num, done, new_hist = progress(state)   # waits for the chunk
+      t1 = time.perf_counter()
+      produced = int((new_num - num_new).sum())
+      delta_hist = None if new_hist is None else new_hist - hist
+      refilled = False
+      for slot in np.flatnonzero(done):
+        finish([slot])
+        if not queue:
+          continue
+        counted["finished"] += measuring
+        slot_req[slot] = req = queue.popleft()
+        reported[slot] = False
+        state = put(state, self._prefill_one(prompts[req], max_new, max_len, seed + req), slot)
+        refilled = True
+      if refilled:   # refilled slots restart their token counts and acceptance histograms
+        new_num, done, new_hist = progress(state)   # waits for the refills
+      t2 = time.perf_counter()
+      if measuring:
+        counted["tokens"] += produced
+        counted["seconds"] += t2 - t0
+        counted["refill_s"] += t2 - t1
+        counted["rounds"] += chunk
+        if delta_hist is not None:
+          hist_window = delta_hist if hist_window is None else hist_window + delta_hist
+      num_new, hist = new_num, new_hist
+      elapsed = t2 - t_start
+      bar.n = min(elapsed, bar.total)
+      bar.set_postfix_str(f"{counted['tokens'] / max(counted['seconds'], 1e-9):.0f} tok/s"
+                          if measuring else "warming up")
+      bar.refresh()
+      if not measuring and elapsed >= warmup_s:
+        measuring, t_measure = True, t2
+      if measuring and t2 - t_measure >= measure_s:
+        break
+      if not queue and done.all():
+        break
+    bar.close()
+    finish(np.flatnonzero(done))
+    seconds, refill_s = counted["seconds"], counted["refill_s"]
+    out = dict(method=self.method, gamma=self.gamma, setup_s=t_setup, measured_s=seconds,
+               tokens=counted["tokens"],
+               tokens_per_s=counted["tokens"] / seconds if seconds else None,
+               decode_only_tokens_per_s=(counted["tokens"] / (seconds - refill_s)
+                                         if seconds > refill_s else None),
+               refill_share=refill_s / seconds if seconds else None,
+               requests_finished=counted["finished"])
+    if hist_window is not None:
+      out.update(acceptance_summary(hist_window[None]))
+    return out, state
+
+  # -- phase timing ------------------------------------------------------------------------------
+
+  @functools.cached_property
+  def _phase_fns(self):
+    """draft / verify / update, each jitted with the model structure and config closed over:
+    passing the GraphDef as a static argument would hash it on every call (1.5 ms for the 0.5B
+    model, on the host while the device waits), which a phase timer would count as phase time."""
+    graphdefs = self._graphdefs
+
+    def fns(config):
+      def draft(params, state):
+        target, draft_model = _merge(graphdefs, params)
+        return config.drafter.draft(target, draft_model, state, config)
+
+      def check(params, state, drafts, probs):
+        return verify(_merge(graphdefs, params)[0], state, drafts, probs, config)
+
+      return (jax.jit(draft, donate_argnums=1), jax.jit(check, donate_argnums=1),
+              jax.jit(config.drafter.update, donate_argnums=0))
+    return functools.lru_cache(maxsize=4)(fns)
+
+  def time_phases(self, state: SpecState, *, rounds: int = 8, warmup: int = 2
+                  ) -> tuple[SpecState, dict]:
+    """Time shares of drafting / verification / update over `rounds` rounds from `state`
+    (donated round by round; use the returned one), after `warmup` untimed rounds.
+
+    Each phase is its own jitted function (the same pure functions the fused loop composes),
+    called on the host one after the other with the device synchronised around each:
+      draft    gamma draft steps incl. sampling (for quest also its per-step page scoring);
+      verify   the full-attention pass incl. score collection, the LM head, accept/reject, append;
+      update   the drafter's update (the policy's KV selection: top-k, pages, quest's summaries).
+    Separate calls add dispatch and lose cross-phase fusion, so the sum exceeds a fused round
+    (on an H200 by 1.3-2.5x, benchmarks/RESULTS.md): read the shares as rough, and take
+    throughput from `generate` or `serve`. Sequences that finish keep riding along.
+    """
+    if not self.speculative:
+      raise ValueError("time_phases times speculative phases; method 'none' has none")
+    draft_fn, verify_fn, update_fn = self._phase_fns(self.config(state.decode.cache.capacity))
+    times = {"draft": 0.0, "verify": 0.0, "select": 0.0}
+    hist0 = None
+    for r in range(warmup + rounds):
+      if r == warmup:
+        hist0 = np.asarray(state.accept_hist)
+      t0 = time.perf_counter()
+      state, drafts, probs = jax.block_until_ready(draft_fn(self._params, state))
+      t1 = time.perf_counter()
+      state, verified, scores, first_row, accepted = jax.block_until_ready(
+          verify_fn(self._params, state, drafts, probs))
+      t2 = time.perf_counter()
+      state = jax.block_until_ready(update_fn(state, verified, scores, first_row, accepted))
+      t3 = time.perf_counter()
+      if r >= warmup:
+        times["draft"] += t1 - t0
+        times["verify"] += t2 - t1
+        times["select"] += t3 - t2
+    total = sum(times.values())
+    out = {f"{k}_s_per_round": v / rounds for k, v in times.items()}
+    out.update({f"{k}_share": v / total for k, v in times.items()})
+    out.update({"gamma": self.gamma, "rounds": rounds,
+                **acceptance_summary(np.asarray(state.accept_hist) - hist0)})
+    return state, out
+
+  def profile_rounds(self, prompts: list[list[int]], *, rounds: int = 8, warmup: int = 2,
+                     max_new_tokens: int | None = None, seed: int = 0,
+                     max_len: int | None = None) -> dict:
+    """`time_phases` from a fresh prefill of `prompts`; keep max_new_tokens above
+    (warmup + rounds) * (gamma + 1) (the default) so that sequences do not finish early."""
+    if not self.speculative:
+      raise ValueError("profile_rounds times speculative phases; method 'none' has none")
+    if max_new_tokens is None:
+      max_new_tokens = (warmup + rounds + 1) * (self.gamma + 1)
+    state, _, _ = self.start(prompts, max_new_tokens, max_len=max_len, seed=seed)
+    _, out = self.time_phases(state, rounds=rounds, warmup=warmup)
+    return dict(out, method=self.method, batch=len(prompts))
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, method: str = "none",
+             max_new_tokens: int | Sequence[int] = 128, max_len: int | None = None,
+             seed: int = 0, chunk: int | None = None,
+             on_chunk: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
+             **settings) -> tuple[list[list[int]], GenerationStats]:
+  """`Runner(model, method=method, **settings).generate(prompts, ...)`: one batch, compiled anew
+  (build a Runner to reuse compiled loops across calls)."""
+  return Runner(model, method=method, **settings).generate(
+      prompts, max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, chunk=chunk,
+      on_chunk=on_chunk)

@@ -1,0 +1,106 @@
+"""Speculative decoding: draft, verify, update, for any drafter.
+
+One round, for a batch of B sequences (each at its own cache length n_b, `last_token` sampled but
+not yet in the cache):
+
+  draft      the drafter proposes gamma tokens d_1..d_gamma and the distributions they were drawn
+             from (q): self-drafting runs the target itself with sparse attention
+             (`jaxspec.drafting.self_drafting`), a draft model its own dense steps over its own
+             cache (`jaxspec.drafting.draft_model`).
+  verify     ONE target forward pass over [last_token, d_1..d_gamma] at positions n..n+gamma with
+             full attention: it writes their exact K/V, gives the target logits (p) and, for
+             score-based policies, the criticality scores. `rejection.verify_drafts` accepts a_b
+             drafts and picks the corrected or bonus token. cache.lengths += a_b + 1 (last_token
+             and the accepted drafts; rejected entries are dropped by lengths, never copied), then
+             `state.append_tokens` handles stops, budgets and the gamma + 1 free slots the next
+             round needs.
+  update     the drafter brings its state in line with what was accepted (the next round's KV
+             selection; the draft model's cache).
+
+`speculative_chunk` runs up to `rounds` rounds in one `lax.while_loop`; the runner compiles it with
+the state (and so both caches) donated: no host round-trip per round.
+
+Statistics carried per sequence: a histogram of accepted counts per round, from which mean accepted
+tokens per round (a + 1: the accepted drafts plus the corrected/bonus token) and the acceptance
+probability by draft position (P(draft i accepted | drafts 1..i-1 accepted)) follow.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.engine import rejection
+from jaxspec.engine.config import RunConfig
+from jaxspec.engine.state import SpecState, append_tokens
+from jaxspec.model.attention import Dense
+from jaxspec.model.transformer import Transformer
+
+
+def verify(target: Transformer, state: SpecState, drafts: jax.Array,
+           draft_probs: jax.Array | None, config: RunConfig
+           ) -> tuple[SpecState, jax.Array, jax.Array | None, jax.Array, jax.Array]:
+  """Full-attention verification of [last_token, drafts] in one pass, accept/reject, append.
+
+  Returns (state with lengths moved and tokens appended, the verified tokens [B, gamma + 1],
+  the scores the drafter asked for, first_row [B] = the cache position of verification row 0,
+  accepted [B]).
+  """
+  ds = state.decode
+  start = ds.cache.lengths
+  tokens = jnp.concatenate([ds.last_token[:, None], drafts], axis=1)          # [B, gamma + 1]
+  positions = start[:, None] + jnp.arange(config.gamma + 1, dtype=jnp.int32)[None]
+  hidden, cache, scores = target(tokens, positions, ds.cache,
+                                 Dense(scores=config.drafter.verify_scores), config.backend)
+  target_logits = target.logits(hidden)                                      # [B, gamma + 1, V]
+  key, sub = jax.random.split(ds.key)
+  verdict = rejection.verify_drafts(sub, drafts, draft_probs, target_logits, config.sampling)
+  active = ~ds.done
+  emitted = verdict.accepted + 1
+  cache = cache.replace(lengths=start + jnp.where(active, emitted, 0))
+  # The emitted tokens: the accepted drafts, then the corrected/bonus token at index `accepted`.
+  j = jnp.arange(config.gamma + 1)[None]
+  new = jnp.where(j == verdict.accepted[:, None], verdict.next_token[:, None],
+                  jnp.pad(drafts, ((0, 0), (0, 1))))
+  ds = append_tokens(ds.replace(cache=cache, key=key), new, emitted, config.stop_ids,
+                     reserve=config.reserve)
+  hist = state.accept_hist + (jax.nn.one_hot(verdict.accepted, config.gamma + 1, dtype=jnp.int32)
+                              * active[:, None].astype(jnp.int32))
+  state = state.replace(decode=ds, accept_hist=hist, rounds=state.rounds + 1)
+  return state, tokens, scores, start, verdict.accepted
+
+
+def speculative_round(target: Transformer, draft: Transformer | None, state: SpecState,
+                      config: RunConfig) -> SpecState:
+  drafter = config.drafter
+  state, drafts, draft_probs = drafter.draft(target, draft, state, config)
+  state, verified, scores, first_row, accepted = verify(target, state, drafts, draft_probs, config)
+  return drafter.update(state, verified, scores, first_row, accepted)
+
+
+def speculative_chunk(target: Transformer, draft: Transformer | None, state: SpecState,
+                      rounds: int, config: RunConfig) -> SpecState:
+  """Up to `rounds` draft-verify rounds in one while_loop; stops early when all are done."""
+  def cond(carry):
+    i, s = carry
+    return (i < rounds) & ~jnp.all(s.decode.done)
+
+  def body(carry):
+    i, s = carry
+    return i + 1, speculative_round(target, draft, s, config)
+
+  return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+def acceptance_summary(accept_hist: np.ndarray) -> dict:
+  """From per-sequence histograms [B, gamma + 1] of accepted drafts per round: mean accepted tokens
+  per round (including the corrected/bonus token) and P(draft i accepted | 1..i-1 accepted)."""
+  hist = np.asarray(accept_hist).sum(axis=0).astype(np.float64)      # [gamma + 1]
+  rounds = hist.sum()
+  gamma = hist.shape[0] - 1
+  at_least = hist[::-1].cumsum()[::-1]                               # at_least[i] = #(a >= i)
+  by_pos = [float(at_least[i] / at_least[i - 1]) if at_least[i - 1] else float("nan")
+            for i in range(1, gamma + 1)]
+  mean = float((hist * np.arange(1, gamma + 2)).sum() / rounds) if rounds else float("nan")
+  return {"mean_accepted_tokens": mean, "acceptance_by_position": by_pos,
+          "verify_rounds": int(rounds)}

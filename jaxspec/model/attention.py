@@ -1,0 +1,175 @@
+"""The one attention dispatch point of the model, and the plans that tell it what to compute.
+
+Every attention layer calls `attend(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend)`.
+The plan says *what* (one small type per mode, each field meaning one thing); the backend says
+*how* (pure-JAX reference, Pallas kernels, or the Pallas kernels in interpret mode on the CPU).
+This is the only place that chooses between the references and the kernels of `pallas_kernels/`.
+
+The T new queries of a call sit in cache slots lengths .. lengths + T - 1 and query t sees every
+key up to its own slot (a chain: plain decoding, drafting and verification all are).
+
+Plans:
+  Prefill      the cache is empty for these sequences: causal self-attention over right-padded
+               prompts (`query_lens` real tokens each). Optional `scores`: one score row per
+               prompt, its last real token against the whole prompt.
+  Dense        T new queries against the whole cache (decoding T = 1, verification T = gamma + 1),
+               optionally collecting criticality scores (`ScoreSpec`).
+  Sparse       T new queries against selected cache positions plus a dense tail (self-drafting);
+               the policies' selection *is* this plan.
+  QuestPages   one new query against the Quest-selected pages plus the dense tail: the page scores
+               are computed here from the current query and per-page key summaries.
+Per-layer arrays carry a leading layer axis; `for_layer(i)` picks layer i.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.drafting import pages as _pages
+from pallas_kernels import sparse_attention as _sparse
+from pallas_kernels import verify_attention as _verify
+
+BACKENDS = ("reference", "pallas", "interpret")
+SCORE_KINDS = ("logits", "weights")
+
+
+def default_backend() -> str:
+  """Pallas kernels on a GPU, the pure-JAX references elsewhere."""
+  return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def check_backend(backend: str) -> str:
+  if backend not in BACKENDS:
+    raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+  return backend
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreSpec:
+  """Which criticality scores a dense pass collects (see `pallas_kernels.verify_attention`).
+
+  kind: 'logits' (pre-softmax q.k) or 'weights' (softmax weights), averaged over query heads;
+  rows: the query rows summed into one score row per sequence ((0, -1) is Collect-2-Query, None
+  every row); per_row: one score row per query instead ([B, T, S]).
+  """
+  kind: str = "logits"
+  rows: tuple[int, ...] | None = (0, -1)
+  per_row: bool = False
+
+  def __post_init__(self):
+    if self.kind not in SCORE_KINDS:
+      raise ValueError(f"score kind must be one of {', '.join(SCORE_KINDS)}, got {self.kind!r}")
+
+
+@struct.dataclass
+class Prefill:
+  query_lens: jax.Array | None = None                    # [B] real prompt lengths (None: all T)
+  scores: ScoreSpec | None = struct.field(pytree_node=False, default=None)
+
+  def for_layer(self, i: int) -> "Prefill":
+    return self
+
+
+@struct.dataclass
+class Dense:
+  scores: ScoreSpec | None = struct.field(pytree_node=False, default=None)
+
+  def for_layer(self, i: int) -> "Dense":
+    return self
+
+
+@struct.dataclass
+class Sparse:
+  """Each layer's queries see indices[:counts] (positions before tail_start) and every position
+  from tail_start on. indices [L, B, K] or per KV head [L, B, Hkv, K]; counts [L, B] or
+  [L, B, Hkv] valid entries; tail_start [B]."""
+  indices: jax.Array
+  counts: jax.Array
+  tail_start: jax.Array
+
+  def for_layer(self, i: int) -> "Sparse":
+    return self.replace(indices=self.indices[i], counts=self.counts[i])
+
+
+@struct.dataclass
+class QuestPages:
+  """Quest: per layer, `pages` [L, B] full pages to keep (of those before tail_start), chosen per
+  KV head from the channel-wise key bounds page_min/page_max [L, B, P, Hkv, D]; max_pages is the
+  static cap."""
+  pages: jax.Array
+  tail_start: jax.Array
+  page_min: jax.Array
+  page_max: jax.Array
+  max_pages: int = struct.field(pytree_node=False, default=1)
+
+  def for_layer(self, i: int) -> "QuestPages":
+    return self.replace(pages=self.pages[i], page_min=self.page_min[i], page_max=self.page_max[i])
+
+
+Plan = Union[Prefill, Dense, Sparse, QuestPages]
+
+
+def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
+           v_cache: jax.Array, lengths: jax.Array, plan: Plan, backend: str
+           ) -> tuple[jax.Array, jax.Array | None]:
+  """q/k_new/v_new [B, T, H, D] (the new tokens; their K/V already written into the cache),
+  lengths [B] the valid entries before them. Returns (out [B, T, Hq, D], scores or None):
+  scores [B, S] bf16 for a `ScoreSpec` of summed rows, [B, T, S] with `per_row`."""
+  kernel = backend != "reference"
+  interpret = backend == "interpret"
+  if isinstance(plan, Prefill):
+    return _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend)
+  if isinstance(plan, Dense):
+    spec = plan.scores
+    kw = {} if spec is None else dict(score_kind=spec.kind, score_rows=spec.rows,
+                                      per_row=spec.per_row)
+    if kernel:
+      return _verify.verify_attention(q, k_cache, v_cache, lengths, interpret=interpret, **kw)
+    return _verify.verify_attention_reference(q, k_cache, v_cache, lengths, **kw)
+  if isinstance(plan, QuestPages):
+    plan = _quest_pages(q, k_cache, plan)
+  if not isinstance(plan, Sparse):
+    raise TypeError(f"unknown attention plan {type(plan).__name__}")
+  args = (q, k_cache, v_cache, plan.indices, plan.counts, plan.tail_start, lengths)
+  if kernel:
+    return _sparse.sparse_attention(*args, interpret=interpret), None
+  return _sparse.sparse_attention_reference(*args), None
+
+
+def _quest_pages(q: jax.Array, k_cache: jax.Array, plan: QuestPages) -> Sparse:
+  """Quest, per KV head: the plan's number of pages with the largest q.k bound among the full
+  pages before tail_start, as token positions [B, Hkv, max_pages * page_size] + counts [B, Hkv]."""
+  if q.shape[1] != 1:
+    raise ValueError(f"quest attention scores pages per query: one new token per step, got T={q.shape[1]}")
+  page_size = k_cache.shape[1] // plan.page_min.shape[1]
+  scores = _pages.quest_scores(q[:, 0], plan.page_min, plan.page_max)       # [B, Hkv, P]
+  n_full = (plan.tail_start // page_size)[:, None]
+  indices, counts = _pages.top_pages(scores, n_full, plan.pages[:, None], plan.max_pages, page_size)
+  return Sparse(indices=indices, counts=counts, tail_start=plan.tail_start)
+
+
+def _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan: Prefill, backend: str):
+  b, t = q.shape[:2]
+  query_lens = jnp.full((b,), t, jnp.int32) if plan.query_lens is None else plan.query_lens
+  if backend == "reference":
+    out, _ = _verify.verify_attention_reference(q, k_new, v_new, jnp.zeros((b,), jnp.int32))
+  else:
+    # cuDNN flash attention on a GPU; the cache is empty, so the prompt's own K/V is everything to
+    # attend to. cuDNN takes 16-bit inputs only (and no CPU): float32 and the interpret backend
+    # take XLA's (materialising) implementation of the same call.
+    impl = "cudnn" if backend == "pallas" and q.dtype in (jnp.bfloat16, jnp.float16) else None
+    out = jax.nn.dot_product_attention(q, k_new, v_new, is_causal=True,
+                                       query_seq_lengths=query_lens,
+                                       key_value_seq_lengths=query_lens, implementation=impl)
+  scores = None
+  if plan.scores is not None:
+    # One score row per prompt: its last real token, against the whole prompt.
+    last = jnp.take_along_axis(q, (query_lens - 1)[:, None, None, None], axis=1)
+    _, scores = _verify.verify_attention_reference(
+        last, k_cache, v_cache, lengths + query_lens - 1, score_kind=plan.scores.kind,
+        score_rows=(0,))
+  return out, scores
