@@ -18,7 +18,8 @@ Cap: when the top-p set is longer than k_max, the first k_max of the order are k
 largest weights, topk_select's set for k = k_max), holding less than p of the mass; counts <= k_max.
 p = 1 keeps every positive weight; zero weights and out-of-prefix positions are never kept, so a
 row with no mass (all zeros, or length 0) keeps nothing (count 0). NaN and negative weights count
-as 0, +inf as the largest finite value.
+as 0, +inf as the largest finite value; subnormal weights count (keys and units are made with
+integer ops, so no backend flushes them to zero).
 
 Mass arithmetic: integers, so every method but 'bisect10' returns the same set for a row whatever
 the summation order, backend or batch it is in (f32 sums would not: a sort's cumsum, a masked
@@ -28,31 +29,31 @@ exponent field of the row max (so the max counts 2^(F-1) to 2^F units); F = 3 * 
 limb = min(21, 30 - ceil(log2 S)): F = 63 up to S = 512, 51 at 8K, 39 at 128K. Units are summed
 exactly in three int32 limbs (no int64 without jax_enable_x64; S * 2^limb <= 2^30, so no limb sum
 overflows). Rounding the weights onto this grid moves a set's mass by less than S units, at most
-S * 2^(1-F) of the row max (2^-21 at 128K). The target is ceil(p * Q) computed in f32 (Q rounded
-to f32 first; at most Q; p = 1 gives Q itself), a relative error under 2^-23 in the target, made
-by the same few scalar float ops in XLA and in the kernel.
+S * 2^(1-F) of the row max (2^-21 at 128K). The target is ceil(p * Q) computed in f32 (p and Q
+rounded to f32 first; at most Q; p = 1 gives Q itself), a relative error under 2^-23 in the
+target, made by the same few scalar float ops in XLA and in the kernel.
 
 method='threshold' (default): the search in plain XLA. The weights' bit patterns are
 order-preserving keys (16 bits for bf16/f16 weights, 32 for f32). The threshold is the largest key
 t whose keys-at-or-above reach the target mass or number k_max (both predicates fall as t rises,
-so the cap needs no second search); it is built `digit` bits a pass, each pass computing in one
-fused read of the row the count and the mass (3 limbs) of the keys at or above 2^digit - 1
-candidate thresholds. Then the positions above t are kept, plus the first j positions equal to t,
-j the fewest whose exact mass j * units(t) covers what is missing (a bisection on j), at most
-k_max minus those above; the kept positions are compacted as topk_select does.
+so the cap needs no second search); it is built `digit` bits a pass, each pass reducing a
+[R, 2^digit - 1, S] compare to the count and the mass (3 limbs) of the keys at or above each of
+2^digit - 1 candidate thresholds. Then the positions above t are kept, plus the first j positions
+equal to t, j the fewest whose exact mass j * units(t) covers what is missing (a bisection on j),
+at most k_max minus those above; the kept positions are compacted as topk_select does.
 method='pallas' runs the same search as a Pallas (Triton) kernel, one program per row, bf16 only:
 a max pass (for e), 16 / digit search passes, one pass at the threshold and the emitting pass each
 re-read the row from L2. Per key and search pass it does 2^digit compares and 3 * 2^digit limb
 adds, about 4x topk_select's work at the same digit. Not yet measured on a GPU
 (`benchmarks/kernels.py --plan=topp`).
 method='bisect10' is the paper's: 10 halvings of a float threshold theta in [0, max] with f32
-masses (sum of the weights >= theta against p * the f32 row sum); it keeps every weight >= theta_low,
-the largest tested threshold whose mass reached the target (so the kept mass reaches p, as in the
-paper). Approximate in three ways: it is not minimal (theta is resolved only to max / 1024, so it
-keeps every tie and every weight in [theta, w*) for the true boundary weight w*; when
-w* < max / 1024, as on long rows with a few large weights, theta stays 0 and it keeps every
-positive weight); its f32 masses depend on the summation order; over k_max it keeps the first
-k_max positions, not the largest weights.
+masses (sum of the weights >= theta against p * the f32 row sum); it keeps every weight
+>= theta_low, the largest tested threshold whose mass reached the target (the paper does not say
+which end it keeps; this one keeps p of the mass). Approximate in three ways: it is not minimal
+(theta is resolved only to max / 1024, so it keeps every tie and every weight in [theta, w*) for
+the true boundary weight w*; when w* < max / 1024, as on long rows with a few large weights,
+theta stays 0 and it keeps every positive weight); its f32 masses depend on the summation order;
+over k_max it keeps the first k_max positions, not the largest weights.
 method='sort' is the reference (a lax.sort of the keys and a cumulative mass in limbs), the
 sorting alternative to measure against.
 """
@@ -154,7 +155,7 @@ def _ties_needed(need, one, n, steps, limb):
   `steps` halvings (n <= 2^steps). j * limb < S * 2^limb, no overflow."""
   lo, hi = jnp.zeros_like(n), n
   for _ in range(steps):
-    mid = (lo + hi) // 2
+    mid = (lo + hi) >> 1
     ok = _ge(_carry(tuple(mid * x for x in one), limb), need)
     lo, hi = jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
   return hi
