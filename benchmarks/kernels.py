@@ -31,6 +31,7 @@ from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.topk_select import topk_select, topk_select_reference
+from pallas_kernels.topp_select import topp_select, topp_select_reference
 from pallas_kernels.verify_attention import verify_attention_reference
 
 FLAGS = flags.FLAGS
@@ -42,10 +43,12 @@ flags.DEFINE_integer("batches", 7, "timed batches per measurement (median report
 flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
-flags.DEFINE_enum("plan", "full", ["full", "followup", "scores"],
+flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp"],
                   "full: every case of issue 3; followup: the re-measurements after the first run; "
-                  "scores: split count and block_k of the scored verification kernel")
-flags.DEFINE_list("check_groups", ["verify", "sparse", "topk"], "kernel groups --check runs")
+                  "scores: split count and block_k of the scored verification kernel; "
+                  "topp: the sorting-free top-p select (issue 16) against sorting and top-k")
+flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp"],
+                  "kernel groups --check runs")
 flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
 
 MODELS = {"qwen3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}
@@ -153,6 +156,13 @@ def wanted(name: str) -> bool:
 
 def rand(key, shape, dtype=jnp.bfloat16):
   return jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32).astype(dtype)
+
+
+def attention_rows(key, shape, dtype=jnp.bfloat16):
+  """Attention-like weights: softmax of N(0, 2.5^2) logits; p = 0.97 keeps ~30% of a row (the
+  paper's 68.8% KV reduction at p = 0.97)."""
+  x = 2.5 * jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32)
+  return jax.nn.softmax(x, axis=-1).astype(dtype)
 
 
 def cache(b, s, hkv, d, seed=0):
@@ -315,6 +325,22 @@ def check_all() -> bool:
     except Exception as e:
       ok = False
       print(f"FAIL topk {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+  for dt in (jnp.bfloat16, jnp.float32):
+    if "topp" not in groups:
+      break
+    try:
+      w = attention_rows(6, (4, 5000), dt)
+      lengths = jnp.array([1, 100, 4321, 5000], jnp.int32)
+      r = [np.asarray(x) for x in topp_select_reference(w, lengths, p=0.97, k_max=2000)]
+      for method in ("threshold", "pallas") if dt == jnp.bfloat16 else ("threshold",):
+        a = topp_select(w, lengths, p=0.97, k_max=2000, method=method, interpret=FLAGS.interpret)
+        good = all(np.array_equal(np.asarray(x), y) for x, y in zip(a, r))
+        print(("PASS " if good else "FAIL ") + f"topp_select {method} {jnp.dtype(dt).name} "
+              f"(counts {r[1].tolist()})", flush=True)
+        ok &= good
+    except Exception as e:
+      ok = False
+      print(f"FAIL topp {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
   return ok
 
 
@@ -430,6 +456,66 @@ def topk_case(b, l, ratio, dtype):
     record(name, label, lambda fn=fn: time_jax(fn, sets), nbytes)
 
 
+def sort_topp(w, lengths, *, p, k_max):
+  """The usual sorting top-p (what SpecAttn's kernel replaces): sort each row descending, f32
+  cumulative sum, keep the prefix reaching p; positions sorted back into ascending order."""
+  s = w.shape[1]
+  x = jnp.where(jnp.arange(s)[None] < lengths[:, None], w.astype(jnp.float32), 0)
+  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), x.shape)
+  neg, order = jax.lax.sort((-x, pos), dimension=1, num_keys=1)
+  mass = jnp.cumsum(-neg, axis=1)
+  counts = jnp.minimum(jnp.sum(mass < p * mass[:, -1:], axis=1) + 1, k_max).astype(jnp.int32)
+  live = jnp.arange(k_max)[None] < counts[:, None]
+  idx = jnp.sort(jnp.where(live, order[:, :k_max], s), axis=1)
+  return jnp.where(live, idx, 0), counts
+
+
+@guarded
+def topp_case(rows, s, p, dtype, sweep=True):
+  k_max = s // 2
+  sets = [(attention_rows(40 + i, (rows, s), dtype), jnp.full((rows,), s, jnp.int32))
+          for i in range(4)]
+  kept = float(jnp.mean(topp_select(*sets[0], p=p, k_max=k_max)[1]))
+  nbytes = rows * s * jnp.dtype(dtype).itemsize + rows * k_max * 4
+  name = f"topp_select R{rows}xS{s} p {p} {jnp.dtype(dtype).name}"
+  print(f"  {name}: keeps {kept:.0f} positions a row ({100 * kept / s:.1f}%)", flush=True)
+  variants = [("threshold", {}), ("bisect10", {}), ("sort", {})]
+  if sweep:
+    variants += [("threshold", dict(digit=2))]
+  if dtype == jnp.bfloat16:
+    variants += [("pallas", dict(digit=4)), ("pallas", dict(digit=2))]
+    if sweep:
+      variants += [("pallas", dict(digit=2, num_warps=8)), ("pallas", dict(digit=4, block=512))]
+  for method, knobs in variants:
+    fn = functools.partial(topp_select, p=p, k_max=k_max, method=method,
+                           interpret=FLAGS.interpret, **knobs)
+    label = " ".join([method] + [f"{a}={x}" for a, x in knobs.items()])
+    record(name, label, lambda fn=fn: time_jax(fn, sets), nbytes, kept=kept)
+  fn = jax.jit(functools.partial(sort_topp, p=p, k_max=k_max))
+  record(name, "sort f32 (plain top-p)", lambda: time_jax(fn, sets), nbytes, kept=kept)
+  # topk_select keeping as many positions as top-p keeps on average.
+  ratio = kept / s
+  for method in ("threshold", "pallas") if dtype == jnp.bfloat16 else ("threshold",):
+    @jax.jit
+    def fn(scores, lengths, method=method):
+      return topk_select(scores, lengths, budget(lengths, ratio, 1, k_max), k_max=k_max,
+                         method=method, interpret=FLAGS.interpret)
+    record(name, f"topk_select {method} k={math.ceil(ratio * s)}",
+           lambda fn=fn: time_jax(fn, sets), nbytes, kept=kept)
+
+
+def topp_plan(sh):
+  """Issue 16's top-p kernel speed: rows of 2K-128K positions (SpecAttn selects per draft step
+  and draft layer: gamma x layers x batch rows) against a sort-based top-p, the paper's 10-step
+  bisection and topk_select at the same kept count."""
+  for s in (2048, 8192, 32768):
+    topp_case(96, s // sh, 0.97, jnp.bfloat16)
+  topp_case(16, 131072 // sh, 0.97, jnp.bfloat16)
+  topp_case(1536, 8192 // sh, 0.97, jnp.bfloat16, sweep=False)   # 4 steps x 24 layers x 16 seqs
+  topp_case(96, 8192 // sh, 0.99, jnp.bfloat16, sweep=False)
+  topp_case(96, 8192 // sh, 0.97, jnp.float32, sweep=False)
+
+
 def summary():
   print("\n== summary (device %s, copy %.0f GB/s)" % (device_name(), COPY_BPS / 1e9))
   print(f"{'case':44s} {'impl':30s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s}")
@@ -464,6 +550,8 @@ def main(argv):
     followup(q3, sh)
   elif FLAGS.plan == "scores":
     scores_plan(q3, sh)
+  elif FLAGS.plan == "topp":
+    topp_plan(sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()

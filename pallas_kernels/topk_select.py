@@ -116,8 +116,9 @@ def _kth_key(key: jax.Array, nbits: int, k: jax.Array) -> jax.Array:
   return t
 
 
-def _compact(keep: jax.Array, k_max: int) -> jax.Array:
-  """keep [B, L] bool -> the kept positions in ascending order [B, k_max], padded with 0.
+def compact_positions(keep: jax.Array, k_max: int) -> jax.Array:
+  """keep [B, L] bool -> the kept positions in ascending order [B, k_max], padded with 0 (also
+  used by topp_select).
 
   The j-th kept position is the first p with cumsum(keep)[p] > j: a binary search per output
   slot over the running count, so no scatter over all L positions.
@@ -234,4 +235,4 @@ def topk_select(scores: jax.Array, lengths: jax.Array, k: jax.Array, *, k_max: i
   eq = key == thresh[:, None]
   take_eq = k - jnp.sum(gt, axis=1, dtype=jnp.int32)               # ties: lowest positions first
   keep = gt | (eq & (jnp.cumsum(eq, axis=1, dtype=jnp.int32) <= take_eq[:, None]))
-  return _compact(keep, k_max)
+  return compact_positions(keep, k_max)
