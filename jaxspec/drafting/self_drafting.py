@@ -38,9 +38,8 @@ class SelfDrafter:
             scores: jax.Array | None, config: RunConfig) -> Plan:
     # The prefill's score row is each prompt's last token, at position prompt_len - 1: for the
     # policies it plays the part of the last accepted token's row (accepted = 0).
-    b = prompt_lens.shape[0]
-    return self.policy.select_kv(state.cache, scores, state.cache.lengths - 1,
-                                 jnp.zeros((b,), jnp.int32))
+    lengths = state.cache.lengths
+    return self.policy.select_kv(state.cache, scores, lengths - 1, jnp.zeros_like(lengths))
 
   def draft(self, target: Transformer, draft: None, state: SpecState, config: RunConfig
             ) -> tuple[SpecState, jax.Array, jax.Array | None]:
