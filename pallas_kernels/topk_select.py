@@ -137,7 +137,6 @@ def _select_kernel(len_ref, k_ref, bits_ref, idx_ref, *, block: int, digit: int)
   # Every pass below re-reads the row; a program's own row (2 bytes a position) stays in L2
   # between passes, so HBM sees it about once.
   length, k = len_ref[()], k_ref[()]
-  k_max = idx_ref.shape[0]
   n_blocks = (length + block - 1) // block
 
   def keys(i):
@@ -163,6 +162,14 @@ def _select_kernel(len_ref, k_ref, bits_ref, idx_ref, *, block: int, digit: int)
     at_least = count_at_least(t | (steps << shift))
     t = t | ((jnp.sum((at_least >= k).astype(jnp.int32)) - 1) << shift)
   take_eq = k - count_at_least(t + 1)                                   # ties: lowest first
+  emit_kept(idx_ref, keys, n_blocks, t, take_eq, k, block)
+
+
+def emit_kept(idx_ref, keys, n_blocks, t, take_eq, kept, block: int) -> None:
+  """Inside a one-row select kernel: write the positions whose key is above `t`, plus the first
+  `take_eq` whose key equals it, ascending into idx_ref [k_max], then zeros after the `kept`
+  written. `keys(i)` gives block i's (positions, keys). Shared with `topp_select`'s kernel."""
+  k_max = idx_ref.shape[0]
 
   def emit(i, carry):
     written, eq_seen = carry
@@ -178,9 +185,9 @@ def _select_kernel(len_ref, k_ref, bits_ref, idx_ref, *, block: int, digit: int)
   def pad(i, _):
     slot = i * block + jnp.arange(block, dtype=jnp.int32)
     plgpu.store(idx_ref.at[pl.ds(i * block, block)], jnp.zeros((block,), jnp.int32),
-                mask=(slot >= k) & (slot < k_max))
+                mask=(slot >= kept) & (slot < k_max))
     return _
-  jax.lax.fori_loop(k // block, (k_max + block - 1) // block, pad, 0)
+  jax.lax.fori_loop(kept // block, (k_max + block - 1) // block, pad, 0)
 
 
 def _topk_pallas(scores, lengths, k, k_max, *, block, digit, num_warps, interpret):

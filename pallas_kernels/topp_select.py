@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select import compact_positions
+from pallas_kernels.topk_select import compact_positions, emit_kept
 
 _MAX_LEN = 1 << 22                # limb >= 8 bits, so F >= 24
 
@@ -321,24 +321,7 @@ def _select_kernel(len_ref, bits_ref, idx_ref, cnt_ref, *, p, limb, block, digit
   take = jnp.minimum(_ties_needed(need, units(t), n_eq, bits_ref.shape[0].bit_length(), limb),
                      k_max - n_gt)
   kept = n_gt + take
-
-  def emit(i, carry):
-    written, eq_seen = carry
-    pos, key = keys(i)
-    eq = (key == t).astype(jnp.int32)
-    keep = (key > t) | ((eq == 1) & (jnp.cumsum(eq) + eq_seen <= take))     # ties: lowest first
-    keep_i = keep.astype(jnp.int32)
-    slot = jnp.where(keep, jnp.cumsum(keep_i) - 1 + written, k_max)        # k_max: off the end
-    plgpu.store(idx_ref.at[slot], pos, mask=keep)
-    return written + jnp.sum(keep_i), eq_seen + jnp.sum(eq)
-  jax.lax.fori_loop(0, n_blocks, emit, (jnp.int32(0), jnp.int32(0)))
-
-  def pad(i, _):
-    slot = i * block + jnp.arange(block, dtype=jnp.int32)
-    plgpu.store(idx_ref.at[pl.ds(i * block, block)], jnp.zeros((block,), jnp.int32),
-                mask=(slot >= kept) & (slot < k_max))
-    return _
-  jax.lax.fori_loop(kept // block, (k_max + block - 1) // block, pad, 0)
+  emit_kept(idx_ref, keys, n_blocks, t, take, kept, block)
   cnt_ref[()] = kept
 
 

