@@ -6,7 +6,7 @@ import pytest
 
 from jaxspec.model.attention import Dense, Prefill
 from jaxspec.model.config import ModelConfig
-from jaxspec.engine.runner import generate
+from jaxspec.engine.runner import Runner
 from jaxspec.engine.state import make_batch
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
@@ -29,10 +29,17 @@ def full_logits(model, tokens):
   return np.asarray(model.logits(hidden)[0])
 
 
-def gen(model, prompts, **kw):
-  kw.setdefault("cache_dtype", jnp.float32)
-  kw.setdefault("chunk", 5)
-  return generate(model, prompts, **kw)
+_RUNNERS = {}
+
+
+def gen(model, prompts, *, max_new_tokens, max_len=None, seed=0, chunk=5, **settings):
+  """Vanilla decoding; one Runner (so one set of compiled loops) per model and settings."""
+  settings.setdefault("cache_dtype", jnp.float32)
+  key = (id(model), tuple(sorted((k, str(v)) for k, v in settings.items())))
+  if key not in _RUNNERS:
+    _RUNNERS[key] = Runner(model, **settings)
+  return _RUNNERS[key].generate(prompts, max_new_tokens=max_new_tokens, max_len=max_len,
+                                seed=seed, chunk=chunk)
 
 
 def test_cached_decoding_matches_full_forward(model):
