@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jaxspec import requests
 from jaxspec.attention import AttentionPlan, default_backend
 from jaxspec.kv_cache import KVCache
 from jaxspec.model import Transformer
@@ -203,12 +204,10 @@ def make_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[
                max_len: int | None = None, spare: int = 1) -> Batch:
   """Pad token lists into a Batch. `max_len` (prompt + generated, per sequence) sizes the cache;
   `spare` extra slots are reserved for speculative verification. Raises ValueError on bad input."""
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError("every prompt must have at least one token")
+  requests.check_prompts(prompts)
+  requests.check_max_new_tokens(max_new_tokens, len(prompts))
   n = len(prompts)
   max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (n,)).copy()
-  if (max_new < 1).any():
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   lens = np.asarray([len(p) for p in prompts], np.int32)
   longest = int(lens.max())
   if max_len is None:
@@ -227,19 +226,24 @@ def make_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int | Sequence[int] = 128, sampling: SamplingParams = SamplingParams(),
-             stop_ids: Sequence[int] = (), seed: int = 0, max_len: int | None = None,
+             stop_ids: Sequence[int] | None = None, seed: int = 0, max_len: int | None = None,
              chunk: int = 64, cache_dtype=jnp.bfloat16, backend: str | None = None,
              on_chunk: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
              ) -> tuple[list[list[int]], GenerationStats]:
   """Vanilla decoding of a batch of token-id prompts. Returns (new tokens per prompt, stats).
 
-  `on_chunk(tokens [B, N], num_new [B], done [B])` is called on the host after prefill and after
-  every chunk of `chunk` steps (for streaming).
+  A sequence stops at its first stop id (kept in the output); `stop_ids=None` means the model's
+  end-of-sequence ids (`cfg.eos_token_ids`), `()` none. `on_chunk(tokens [B, N], num_new [B],
+  done [B])` is called on the host after prefill and after every chunk of `chunk` steps (for
+  streaming). Bad arguments raise ValueError (`jaxspec.requests`).
   """
   backend = backend or default_backend()
+  max_len = requests.check_request(model.cfg, prompts, max_new_tokens, max_len)
+  requests.check_count("chunk", chunk)
+  requests.check_dtype("cache_dtype", cache_dtype)
   batch = make_batch(prompts, max_new_tokens, max_len)
   graphdef, params = nnx.split(model)
-  stop_ids = tuple(sorted(set(int(s) for s in stop_ids)))
+  stop_ids = requests.check_stop_ids(stop_ids, model.cfg)
   stats = GenerationStats(prompt_tokens=int(batch.prompt_lens.sum()))
   prefill_args = (params, jnp.asarray(batch.prompts), jnp.asarray(batch.prompt_lens),
                   jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))

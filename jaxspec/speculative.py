@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxspec import decode, rejection, selection
+from jaxspec import decode, rejection, requests, selection
 from jaxspec.attention import default_backend
 from jaxspec.decode import DecodeState, GenerationStats
 from jaxspec.model import Transformer
@@ -249,13 +249,14 @@ def _validate(method, gamma, sparsity, min_tokens, score_kind, chunk_rounds):
 def _setup(model, prompts, *, method, gamma, sparsity, min_tokens, score_kind, max_new_tokens,
            sampling, stop_ids, max_len, backend, chunk_rounds=1):
   _validate(method, gamma, sparsity, min_tokens, score_kind, chunk_rounds)
+  max_len = requests.check_request(model.cfg, prompts, max_new_tokens, max_len)
   backend = backend or default_backend()
   batch = decode.make_batch(prompts, max_new_tokens, max_len, spare=gamma + 1)
   k_max = selection.static_k_max(batch.capacity, sparsity, min_tokens)
   policy = selection.make_policy(method, ratio=sparsity, min_tokens=min_tokens, k_max=k_max,
                                  score_kind=score_kind)
   config = SpecConfig(policy=policy, gamma=int(gamma), sampling=sampling,
-                      stop_ids=tuple(sorted(set(int(s) for s in stop_ids))), backend=backend)
+                      stop_ids=requests.check_stop_ids(stop_ids, model.cfg), backend=backend)
   return batch, config
 
 
@@ -280,8 +281,9 @@ def _prefill(model, batch, config, seed, cache_dtype):
 def speculative_generate(model: Transformer, prompts: list[list[int]], *, method: str, gamma: int,
                          sparsity: float, min_tokens: int = 256, score_kind: str = "logits",
                          max_new_tokens: int | Sequence[int] = 128,
-                         sampling: SamplingParams = SamplingParams(), stop_ids: Sequence[int] = (),
-                         seed: int = 0, max_len: int | None = None, chunk_rounds: int = 16,
+                         sampling: SamplingParams = SamplingParams(),
+                         stop_ids: Sequence[int] | None = None, seed: int = 0,
+                         max_len: int | None = None, chunk_rounds: int = 16,
                          cache_dtype=jnp.bfloat16, backend: str | None = None,
                          on_chunk: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
                          ) -> tuple[list[list[int]], GenerationStats]:
@@ -300,6 +302,7 @@ def speculative_generate(model: Transformer, prompts: list[list[int]], *, method
     return decode.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                            stop_ids=stop_ids, seed=seed, max_len=max_len, chunk=chunk_rounds,
                            cache_dtype=cache_dtype, backend=backend, on_chunk=on_chunk)
+  requests.check_dtype("cache_dtype", cache_dtype)
   batch, config = _setup(model, prompts, method=method, gamma=gamma, sparsity=sparsity,
                          min_tokens=min_tokens, score_kind=score_kind,
                          max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
@@ -390,6 +393,8 @@ def profile_rounds(model: Transformer, prompts: list[list[int]], *, method: str,
   """
   if method == "none":
     raise ValueError("profile_rounds times speculative phases; method 'none' has none")
+  requests.check_count("rounds", rounds)
+  requests.check_count("warmup", warmup, minimum=0)
   if max_new_tokens is None:
     max_new_tokens = (warmup + rounds + 1) * (gamma + 1)
   batch, config = _setup(model, prompts, method=method, gamma=gamma, sparsity=sparsity,

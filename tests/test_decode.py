@@ -146,7 +146,7 @@ def test_invalid_sampling_values(kwargs, match):
 def test_bad_batches():
   with pytest.raises(ValueError, match="max_len"):
     make_batch([[1] * 30], 4, max_len=30)
-  with pytest.raises(ValueError, match="at least one token"):
+  with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty list"):
     make_batch([[1], []], 4)
   with pytest.raises(ValueError, match="max_new_tokens"):
     make_batch([[1]], 0)

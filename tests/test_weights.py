@@ -335,7 +335,8 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2, smollm2_refer
   """32 greedy tokens from our jitted, KV-cached decode loop equal transformers' (float32)."""
   text = apply_chat_template(smollm2.tokenizer, "Name three prime numbers and explain why.")
   ids = smollm2.tokenizer(text)["input_ids"]
-  ours, _ = generate(smollm2.model, [ids], max_new_tokens=32, cache_dtype=jnp.float32, chunk=16)
+  ours, _ = generate(smollm2.model, [ids], max_new_tokens=32, stop_ids=(), cache_dtype=jnp.float32,
+                     chunk=16)
   ref, past, token = [], None, torch.tensor([ids])
   with torch.no_grad():   # plain greedy with transformers' own KV cache, no stop tokens
     for _ in range(32):
