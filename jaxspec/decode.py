@@ -172,7 +172,8 @@ def compile_timed(jitted, *args, **static):
 @dataclasses.dataclass
 class GenerationStats:
   prompt_tokens: int = 0
-  new_tokens: int = 0
+  new_tokens: int = 0        # every generated token, the one sampled at prefill included
+  decode_tokens: int = 0     # those the decode loop produced (new_tokens less one per sequence)
   compile_s: float = 0.0     # kept apart from prefill_s and decode_s
   prefill_s: float = 0.0
   decode_s: float = 0.0
@@ -181,7 +182,7 @@ class GenerationStats:
 
   @property
   def decode_tokens_per_s(self) -> float:
-    return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+    return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
   def line(self) -> str:
     s = (f"prompt tokens {self.prompt_tokens} | new tokens {self.new_tokens} | "
@@ -269,5 +270,6 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *,
   jax.block_until_ready(state)
   stats.decode_s = time.perf_counter() - t0
   tokens, num_new = np.asarray(state.tokens), np.asarray(state.num_new)
-  stats.new_tokens = int(num_new.sum()) - first_new
+  stats.new_tokens = int(num_new.sum())
+  stats.decode_tokens = stats.new_tokens - first_new
   return [tokens[i, :num_new[i]].tolist() for i in range(len(prompts))], stats

@@ -342,7 +342,8 @@ def speculative_generate(model: Transformer, prompts: list[list[int]], *, method
   stats.decode_s = time.perf_counter() - t0
   tokens, num_new, hist, rounds = jax.device_get(
       (state.decode.tokens, state.decode.num_new, state.accept_hist, state.rounds))
-  stats.new_tokens = int(num_new.sum()) - first_new
+  stats.new_tokens = int(num_new.sum())
+  stats.decode_tokens = stats.new_tokens - first_new
   stats.rounds = int(rounds)
   acc = acceptance_summary(hist)
   stats.extra = {"method": method, "gamma": int(gamma),

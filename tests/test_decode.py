@@ -37,7 +37,7 @@ def gen(model, prompts, **kw):
 def test_cached_decoding_matches_full_forward(model):
   prompt = [5, 17, 3, 88, 41, 9, 60]
   out, stats = gen(model, [prompt], max_new_tokens=12)
-  assert len(out[0]) == 12 and stats.new_tokens == 11
+  assert len(out[0]) == 12 and stats.new_tokens == 12 and stats.decode_tokens == 11
   logits = full_logits(model, prompt + out[0])
   # Every greedy token is the argmax of the full forward at the previous position.
   np.testing.assert_array_equal(logits[len(prompt) - 1:-1].argmax(-1), out[0])
