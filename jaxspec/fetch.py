@@ -21,8 +21,10 @@ import zipfile
 from pathlib import Path
 
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import app, flags
 from tqdm import tqdm
+
+from jaxspec import cli
 
 
 class FetchError(OSError):
@@ -157,7 +159,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)   # orbax logs every save step at INFO
+  cli.quiet_logging()
   if len(argv) != 2:
     raise app.UsageError(f"usage: python -m jaxspec.fetch NAME [--out_dir=DIR]; NAME one of: "
                          f"{', '.join(DEMOS)}")
@@ -171,4 +173,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   flags.DEFINE_string("out_dir", None, "where checkpoints go (default: the repo's checkpoints/)")
-  app.run(main)
+  cli.run(main, "jaxspec.fetch")

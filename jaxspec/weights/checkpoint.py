@@ -6,14 +6,20 @@ Layout of `checkpoints/NAME/`:
   tokenizer.json, tokenizer_config.json, chat_template.jinja, ...   tokenizer.save_pretrained()
   generation_config.json   copied from the source when it has one
 
-Writing is atomic: everything goes into a temp dir beside the target, renamed into place at the
-end; any failure (KeyboardInterrupt included) removes the temp dir, so a checkpoint dir that exists
-is complete. Loading restores straight into the abstract model's shapes at the requested dtype.
+Writing is atomic: everything goes into a temp dir beside the target (`.NAME.tmp-PID-XXXXXXXX`),
+renamed into place at the end; any failure (KeyboardInterrupt included) removes the temp dir, so a
+checkpoint dir that exists is complete. SIGINT/SIGTERM are held while orbax's threads write the
+params, so the cleanup never races them; a temp dir that a killed run (SIGKILL, power loss) left
+is removed by the next write to the same target, once its PID is gone. `--overwrite` replaces only
+an existing checkpoint (or an empty dir), never a file or another directory.
+Loading restores straight into the abstract model's shapes at the requested dtype.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import shutil
 import sys
 import uuid
@@ -25,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxspec import cli
 from jaxspec.config import ModelConfig
 from jaxspec.model import Transformer
 from jaxspec.weights import (CONFIG_FILE, PARAMS_DIR, WeightsError, abstract_params, build_model,
@@ -38,28 +45,87 @@ def is_checkpoint(path: str | Path) -> bool:
   return (Path(path) / CONFIG_FILE).is_file()
 
 
+def check_target(out: str | Path, overwrite: bool) -> None:
+  """Raise FileExistsError unless a checkpoint may be written at `out`: nothing is there, or
+  `overwrite` is set and it is a checkpoint or an empty directory."""
+  out = Path(out)
+  if not out.exists():
+    return
+  if not overwrite:
+    raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+  if not out.is_dir():
+    raise FileExistsError(f"{out} is a file, not a checkpoint; --overwrite replaces only a "
+                          "jaxspec checkpoint directory")
+  if not is_checkpoint(out) and any(out.iterdir()):
+    raise FileExistsError(f"{out} is not a jaxspec checkpoint ({CONFIG_FILE} is missing); "
+                          "--overwrite replaces only a checkpoint directory")
+
+
+# .NAME.tmp-PID-XXXXXXXX (being written) and .NAME.old-PID-XXXXXXXX (the checkpoint being
+# replaced); names without the PID are from before it was recorded.
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?:(?P<pid>\d+)-)?[0-9a-f]{8}")
+
+
+def _temp_path(out: Path, kind: str) -> Path:
+  return out.with_name(f".{out.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _alive(pid: str | None) -> bool:
+  if pid is None:
+    return False
+  try:
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OverflowError):
+    return True   # another user's process, or a PID we cannot judge: leave its dir alone
+  return True
+
+
+def sweep_stale(out: str | Path) -> list[Path]:
+  """Remove the temp dirs beside `out` whose writer is gone (killed before it could clean up),
+  saying so on stderr; return them. An `.old` dir is kept while `out` is missing: it is then the
+  only copy of a checkpoint whose replacement was cut short."""
+  out = Path(out)
+  removed = []
+  for p in sorted(out.parent.glob(f".{out.name}.*-*")):
+    m = _TEMP_NAME.fullmatch(p.name)
+    if not m or m["name"] != out.name or _alive(m["pid"]) or not p.is_dir():
+      continue
+    if m["kind"] == "old" and not out.exists():
+      continue
+    shutil.rmtree(p, ignore_errors=True)
+    print(f"removed {p}, left by an interrupted conversion", file=sys.stderr)
+    removed.append(p)
+  return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
-  """Yield a fresh temp dir beside `out`; on success it becomes `out`, on any failure it is removed."""
+  """Yield a fresh temp dir beside `out`; on success it becomes `out`, on any failure it is removed.
+
+  With `overwrite`, an existing checkpoint at `out` is swapped out and deleted (see check_target).
+  """
   out = Path(out).absolute()
-  if out.exists() and not overwrite:
-    raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+  check_target(out, overwrite)
   out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+  sweep_stale(out)
+  tmp = _temp_path(out, "tmp")
   tmp.mkdir()   # not mkdtemp: its 0700 mode would stick to the checkpoint after the rename
   try:
     yield tmp
-    if out.exists():
-      old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-      out.rename(old)
-      try:
-        tmp.rename(out)
-      except BaseException:
-        old.rename(out)
-        raise
-      shutil.rmtree(old, ignore_errors=True)
-    else:
+    if not out.exists():
       tmp.rename(out)
+    else:
+      old = _temp_path(out, "old")
+      with cli.signals_deferred("replacing the checkpoint"):   # never leave `out` missing
+        out.rename(old)
+        try:
+          tmp.rename(out)
+        except BaseException:
+          old.rename(out)
+          raise
+      shutil.rmtree(old, ignore_errors=True)   # if cut short, the next write sweeps the rest
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
@@ -76,8 +142,11 @@ def save(out: str | Path, cfg: ModelConfig, params: Mapping[str, Any], *,
   out = Path(out).absolute()
   with atomic_dir(out, overwrite=overwrite) as tmp:
     print(f"writing orbax checkpoint to {out}", file=sys.stderr)
-    with ocp.StandardCheckpointer() as ckptr:
+    # orbax writes from background threads: an interrupt here would unwind only our thread, and
+    # they would go on writing into the temp dir after its cleanup.
+    with cli.signals_deferred("the orbax write"), ocp.StandardCheckpointer() as ckptr:
       ckptr.save(tmp / PARAMS_DIR, nested(params))
+      cli.test_point("checkpoint-write")
       ckptr.wait_until_finished()
     _write_config(tmp / CONFIG_FILE, cfg)
     if tokenizer is not None:
