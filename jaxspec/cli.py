@@ -1,5 +1,6 @@
 """What the command-line entry points (generate, convert, fetch, the benchmarks) share.
 
+- `fail(prog, message)`: exit 1 with one line on stderr.
 - `run(main, prog)`: absl's `app.run`, but Ctrl-C (SIGINT) or SIGTERM ends the program with one
   line on stderr ("PROG: interrupted" / "PROG: terminated") and exit status 128 + the signal
   number (130 / 143) instead of a traceback. The signal unwinds the stack as a KeyboardInterrupt,
@@ -20,11 +21,28 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from absl import app, flags, logging
 
 TEST_SIGNAL_ENV = "JAXSPEC_TEST_SIGNAL"
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _exit_now(code: int) -> NoReturn:
+  # os._exit, not sys.exit: the cleanups have run (an interrupt unwinds the stack first), and
+  # interpreter shutdown would wait for library threads cut off mid-task and print their errors
+  # after our one line (orbax's reads in flight when a corrupt checkpoint failed to load).
+  with contextlib.suppress(Exception):
+    sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def fail(prog: str, message: str) -> NoReturn:
+  """Exit 1 with one line on stderr (absl's UsageError would bury it under the flag list)."""
+  print(f"{prog}: error: {message}", file=sys.stderr)
+  _exit_now(1)
 
 
 def run(main: Callable[[list[str]], None], prog: str) -> None:
@@ -41,13 +59,9 @@ def run(main: Callable[[list[str]], None], prog: str) -> None:
   except KeyboardInterrupt:
     for s in _SIGNALS:   # a second Ctrl-C must not interrupt the exit
       signal.signal(s, signal.SIG_IGN)
-    with contextlib.suppress(Exception):
-      sys.stdout.flush()
     what = "interrupted" if received[0] == signal.SIGINT else "terminated"
-    print(f"{prog}: {what}", file=sys.stderr, flush=True)
-    # os._exit: the cleanups have run while the interrupt unwound the stack; interpreter shutdown
-    # would also wait for (and print the errors of) library threads cut off mid-task.
-    os._exit(128 + received[0])
+    print(f"{prog}: {what}", file=sys.stderr)
+    _exit_now(128 + received[0])
 
 
 @contextlib.contextmanager

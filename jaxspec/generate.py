@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from jaxspec import cli
 from jaxspec.sampling import SamplingParams
 
 METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
@@ -42,8 +43,7 @@ _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas crit
 
 
 def fail(message: str):
-  """Exit with a one-line error on stderr (absl's UsageError would bury it under the flag list)."""
-  sys.exit(f"jaxspec.generate: error: {message}")
+  cli.fail("jaxspec.generate", message)
 
 
 def read_prompts() -> list[str]:

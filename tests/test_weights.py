@@ -434,6 +434,51 @@ def test_checkpoint_with_damaged_param_files(tiny_ckpt, tmp_path, damage):
     load_model(d)
 
 
+def largest_params_file(ckpt):
+  return max((f for f in (ckpt / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["delete-manifest", "truncate-data", "delete-data"])
+def test_damaged_checkpoint_error_names_the_file(tiny_ckpt, tmp_path, damage):
+  d = copy_of(tiny_ckpt, tmp_path)
+  f = d / "params" / "manifest.ocdbt" if damage == "delete-manifest" else largest_params_file(d)
+  name = str(f.relative_to(d))
+  if damage.startswith("delete"):
+    f.unlink()
+    match = f"{name} is missing"
+  else:
+    f.write_bytes(f.read_bytes()[:1000])
+    match = f"{name} is 1,000 bytes, [0-9,]+ when written"
+  with pytest.raises(WeightsError, match=f"^corrupt checkpoint {d}: {match}; convert the model again$"):
+    load_model(d)
+
+
+def test_damaged_checkpoint_without_size_record_names_the_parameter(tiny_ckpt, tmp_path):
+  # Checkpoints converted before params_files.json existed: orbax's error, cut to one line.
+  d = copy_of(tiny_ckpt, tmp_path)
+  (d / "params_files.json").unlink()
+  f = largest_params_file(d)
+  f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
+  with pytest.raises(WeightsError) as e:
+    load_model(d)
+  assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
+  assert str(e.value).startswith(f"corrupt checkpoint {d}: cannot read parameter ")
+
+
+def test_corrupt_checkpoint_cli_prints_one_line(weights_smollm2_ckpt, tmp_path):
+  # The failed read of one array used to be followed by dozens of 'Event loop is closed' and
+  # orphaned-read tracebacks from orbax's other reads.
+  d = copy_of(weights_smollm2_ckpt, tmp_path)
+  (d / "params_files.json").unlink()   # take orbax's failure path, the one that echoed
+  f = largest_params_file(d)
+  f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
+  res = run_module("jaxspec.generate", f"--model={d}", "--prompt=hi")
+  assert res.returncode == 1
+  assert len(res.stderr.strip().splitlines()) == 1, res.stderr[-3000:]
+  assert res.stderr.startswith(f"jaxspec.generate: error: corrupt checkpoint {d}: cannot read "
+                               "parameter ")
+
+
 def test_checkpoint_config_that_does_not_fit_the_params(tiny_ckpt, tmp_path):
   d = copy_of(tiny_ckpt, tmp_path)
   cfg = json.loads((d / "jaxspec_config.json").read_text())

@@ -5,6 +5,7 @@ Layout of `checkpoints/NAME/`:
   jaxspec_config.json      ModelConfig.to_dict()
   tokenizer.json, tokenizer_config.json, chat_template.jinja, ...   tokenizer.save_pretrained()
   generation_config.json   copied from the source when it has one
+  params_files.json        {file under params/: size in bytes}, checked before restoring
 
 Writing is atomic: everything goes into a temp dir beside the target (`.NAME.tmp-PID-XXXXXXXX`),
 renamed into place at the end; any failure (KeyboardInterrupt included) removes the temp dir, so a
@@ -12,18 +13,21 @@ checkpoint dir that exists is complete. SIGINT/SIGTERM are held while orbax's th
 params, so the cleanup never races them; a temp dir that a killed run (SIGKILL, power loss) left
 is removed by the next write to the same target, once its PID is gone. `--overwrite` replaces only
 an existing checkpoint (or an empty dir), never a file or another directory.
-Loading restores straight into the abstract model's shapes at the requested dtype.
+Loading restores straight into the abstract model's shapes at the requested dtype. A damaged
+checkpoint raises one WeightsError: a missing or truncated params file is named from the sizes
+recorded at conversion; anything else orbax cannot read names the parameter.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +40,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.model import Transformer
 from jaxspec.weights import (CONFIG_FILE, PARAMS_DIR, WeightsError, abstract_params, build_model,
                              check_params, flat, nested)
+
+PARAMS_FILES = "params_files.json"
 
 if TYPE_CHECKING:
   from transformers import PreTrainedTokenizerBase
@@ -148,6 +154,9 @@ def save(out: str | Path, cfg: ModelConfig, params: Mapping[str, Any], *,
       ckptr.save(tmp / PARAMS_DIR, nested(params))
       cli.test_point("checkpoint-write")
       ckptr.wait_until_finished()
+    sizes = {str(f.relative_to(tmp)): f.stat().st_size
+             for f in sorted((tmp / PARAMS_DIR).rglob("*")) if f.is_file()}
+    (tmp / PARAMS_FILES).write_text(json.dumps(sizes, indent=1) + "\n")
     _write_config(tmp / CONFIG_FILE, cfg)
     if tokenizer is not None:
       tokenizer.save_pretrained(str(tmp))
@@ -180,21 +189,92 @@ def load(path: str | Path, *, dtype=jnp.bfloat16) -> tuple[ModelConfig, Transfor
   params_dir = path / PARAMS_DIR
   if not params_dir.is_dir():
     raise WeightsError(f"corrupt checkpoint {path}: {PARAMS_DIR}/ is missing")
+  _check_file_sizes(path)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   # A sharding on every leaf makes orbax return device arrays (numpy ones otherwise); the target
   # dtype makes it cast while restoring.
   target = nested({k: jax.ShapeDtypeStruct(v.shape, dtype, sharding=device)
                    for k, v in abstract_params(cfg, dtype).items()})
+  unsilence = _silence_orphaned_reads()
   try:
     with ocp.StandardCheckpointer() as ckptr:
       _check_stored_shapes(ckptr, params_dir, cfg, path)
       restored = ckptr.restore(params_dir, target)
   except WeightsError:
+    unsilence()
     raise
   except Exception as e:   # orbax/tensorstore raise many types for truncated or garbled files
-    raise WeightsError(f"corrupt checkpoint {path}: orbax could not restore {PARAMS_DIR}/: "
-                       f"{type(e).__name__}: {str(e)[:500]}") from e
+    # The silencing stays: the failed restore's other reads go on finishing after we return.
+    raise WeightsError(f"corrupt checkpoint {path}: {_restore_error(e, params_dir)}") from e
+  unsilence()
   return cfg, build_model(cfg, flat(restored), dtype=dtype, source=str(path))
+
+
+def _restore_error(e: BaseException, params_dir: Path) -> str:
+  """One line for a failed restore: the parameter and the file that could not be read, and
+  tensorstore's reason, without the multi-line TensorStore spec that orbax's message carries."""
+  chain = []
+  while e is not None and len(chain) < 8:
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  # tensorstore's own errors start with a status: 'OUT_OF_RANGE: Error reading "x.kernel/0.0" ...'
+  msg = next((str(x) for x in chain if re.match(r"[A-Z_]+: ", str(x))),
+             f"{type(chain[0]).__name__}: {chain[0]}")
+  msg = msg.split(" [tensorstore_spec")[0].splitlines()[0]
+  msg = re.sub(r' in OCDBT database at local file "[^"]*"', "", msg)
+  param = re.search(r'"([\w.]+)/(?:\.zarray|[\d.]+)"', msg)
+  what = f"cannot read parameter {param[1].replace('.', '/')}" if param else "cannot restore"
+  return f"{what} from {PARAMS_DIR}/ ({msg[:300]}); convert the model again"
+
+
+def _check_file_sizes(path: Path) -> None:
+  """Name a missing or truncated params file from the sizes recorded at conversion (orbax would
+  blame whichever parameter it read first from it). Checkpoints without the record pass."""
+  try:
+    sizes = json.loads((path / PARAMS_FILES).read_text())
+  except (OSError, ValueError):
+    return
+  for name, size in sizes.items():
+    f = path / name
+    if not f.is_file():
+      raise WeightsError(f"corrupt checkpoint {path}: {name} is missing; convert the model again")
+    if f.stat().st_size != size:
+      raise WeightsError(f"corrupt checkpoint {path}: {name} is {f.stat().st_size:,} bytes, "
+                         f"{size:,} when written; convert the model again")
+
+
+def _silence_orphaned_reads() -> Callable[[], None]:
+  """Drop the echoes of a failed restore; returns the function that stops dropping them.
+
+  orbax reads every array concurrently and, when one read fails, closes the event loop while the
+  others are still in flight; each of those then ends as an unraisable exception ('Event loop is
+  closed', or the read's own error) or as asyncio's 'exception was never retrieved' log record:
+  dozens of tracebacks around the one-line error. `load` installs this before restoring (the
+  first echoes can come before orbax raises) and removes it when the restore succeeded. Anything
+  else still reaches the previous hook and the asyncio logger.
+  """
+  previous = sys.unraisablehook
+
+  def hook(u):
+    closed_loop = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+    if closed_loop or "_read_array_index_and_device_put" in getattr(u.object, "__qualname__", ""):
+      return
+    previous(u)
+
+  def log_filter(record: logging.LogRecord) -> bool:
+    msg = record.getMessage()
+    return not ("exception was never retrieved" in msg
+                and ("reading array index" in msg or "OCDBT database" in msg))
+
+  sys.unraisablehook = hook
+  asyncio_logger = logging.getLogger("asyncio")
+  asyncio_logger.addFilter(log_filter)
+
+  def remove():
+    if sys.unraisablehook is hook:
+      sys.unraisablehook = previous
+    asyncio_logger.removeFilter(log_filter)
+  return remove
 
 
 def _check_stored_shapes(ckptr: ocp.StandardCheckpointer, params_dir: Path, cfg: ModelConfig,
