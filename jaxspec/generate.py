@@ -10,12 +10,13 @@ completion is printed when it finishes), one stats line to stderr.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 
-from jaxspec import cli
+from jaxspec import cli, requests, selection
 from jaxspec.sampling import SamplingParams
 
 METHODS = ("none", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
@@ -33,9 +34,13 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off")
 _MIN_P = flags.DEFINE_float("min_p", 0.0, "0 = off")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights, activations, cache")
-_MAX_LEN = flags.DEFINE_integer("max_len", None, "cache slots per sequence (prompt + new tokens); "
-                                "default: longest prompt + max_new_tokens")
-_METHOD = flags.DEFINE_enum("method", "none", list(METHODS), "decoding method (none = vanilla)")
+_MAX_LEN = flags.DEFINE_integer("max_len", None, "cache slots per sequence (prompt + new tokens), "
+                                "at most the model's context; default: longest prompt + "
+                                "max_new_tokens, capped at the context")
+_METHOD = flags.DEFINE_enum("method", "none", list(METHODS),
+                           "decoding method: none = vanilla; the speculative ones are lossless "
+                           "(greedy output equals vanilla's exactly in float32; in bfloat16 it can "
+                           "part at a near-tie)")
 _GAMMA = flags.DEFINE_integer("gamma", 6, "draft tokens per round (speculative methods)")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "fraction of the KV cache drafts attend to")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting")
@@ -50,12 +55,19 @@ def read_prompts() -> list[str]:
   if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
     fail("give exactly one of --prompt or --prompt_file")
   if _PROMPT.value is not None:
+    if not _PROMPT.value.strip():
+      fail("--prompt is empty")
     return [_PROMPT.value]
   try:
-    with open(_PROMPT_FILE.value) as f:
-      prompts = [line.rstrip("\n") for line in f if line.strip()]
+    raw = Path(_PROMPT_FILE.value).read_bytes()
   except OSError as e:
     fail(f"cannot read --prompt_file: {e}")
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    fail(f"--prompt_file {_PROMPT_FILE.value} is not UTF-8 text (byte {raw[e.start]:#04x} at "
+         f"offset {e.start})")
+  prompts = [line for line in text.replace("\r\n", "\n").split("\n") if line.strip()]
   if not prompts:
     fail(f"--prompt_file {_PROMPT_FILE.value} has no prompts")
   return prompts
@@ -68,6 +80,7 @@ class TextStreamer:
     self.tok, self.n, self.stop_ids = tokenizer, n, stop_ids
     self.printed = [""] * n
     self.finished = [False] * n
+    self.open_line = False   # stdout ends mid-line (streamed text so far)
 
   def text(self, ids) -> str:
     return self.tok.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
@@ -82,10 +95,19 @@ class TextStreamer:
         sys.stdout.write(text[len(self.printed[0]):])
         sys.stdout.flush()
         self.printed[0] = text
+        self.open_line = bool(text)
+        cli.test_point("streamed")
       elif done is not None and done[i] and not self.finished[i]:
         self.finished[i] = True
         sys.stdout.write(f"=== [{i}] ===\n{self.text(ids)}\n")
         sys.stdout.flush()
+
+  def close_line(self):
+    """End a streamed line cut short, so that what stderr prints next starts on its own line."""
+    if self.open_line:
+      sys.stdout.write("\n")
+      sys.stdout.flush()
+      self.open_line = False
 
   def finish(self, outputs: list[list[int]]):
     for i, ids in enumerate(outputs):
@@ -96,15 +118,28 @@ class TextStreamer:
     sys.stdout.flush()
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)   # orbax logs every read at INFO
-  from jaxspec.loading import apply_chat_template, load_model
+def check_flags() -> SamplingParams:
+  """Every check that needs no model, so that a bad flag fails before the model loads."""
   try:
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value)
+    requests.check_count("--max_new_tokens", _MAX_NEW.value)
+    if _MAX_LEN.value is not None:
+      requests.check_count("--max_len", _MAX_LEN.value, minimum=2)
+    if _METHOD.value != "none":
+      requests.check_count("--gamma", _GAMMA.value)
+      selection.validate(_METHOD.value, ratio=_SPARSITY.value, min_tokens=_MIN_TOKENS.value,
+                         score_kind=_SCORE.value)
   except ValueError as e:
     fail(str(e))
+  return sampling
+
+
+def main(argv):
+  del argv
+  cli.quiet_logging()
+  sampling = check_flags()
   prompts = read_prompts()
+  from jaxspec.loading import apply_chat_template, load_model
   dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
   try:
     loaded = load_model(_MODEL.value, dtype=dtype)
@@ -113,7 +148,10 @@ def main(argv):
   tok = loaded.tokenizer
   if tok is None:
     fail(f"{loaded.source} has no tokenizer files; convert it from a source that has one")
-  texts = [apply_chat_template(tok, p) for p in prompts] if _CHAT.value else prompts
+  try:
+    texts = [apply_chat_template(tok, p) for p in prompts] if _CHAT.value else prompts
+  except ValueError as e:
+    fail(str(e))
   ids = [tok.encode(t, add_special_tokens=not _CHAT.value) for t in texts]
   stop_ids = loaded.stop_ids
   streamer = TextStreamer(tok, len(ids), set(stop_ids))
@@ -129,10 +167,15 @@ def main(argv):
           loaded.model, ids, method=_METHOD.value, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
           min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, **common)
   except ValueError as e:
+    streamer.close_line()
     fail(str(e))
+  except KeyboardInterrupt:
+    streamer.close_line()
+    raise
   streamer.finish(outputs)
-  print(f"[jaxspec] method {_METHOD.value} | " + stats.line(), file=sys.stderr)
+  stats.extra = {"method": _METHOD.value, **stats.extra}   # speculative stats name it already
+  print("[jaxspec] " + stats.line(), file=sys.stderr)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, "jaxspec.generate")

@@ -15,3 +15,11 @@ def test_fetch_terminated_while_converting_leaves_nothing(weights_smollm2_gguf, 
   assert list((tmp_path / "ckpts").iterdir()) == []
   assert weights_smollm2_gguf.is_file()   # the verified download stays cached
 
+
+def test_generate_interrupted_keeps_the_text_printed_so_far(weights_smollm2_ckpt):
+  res = run_module("jaxspec.generate", f"--model={weights_smollm2_ckpt}", "--chat",
+                   "--prompt=What is the capital of France?", "--max_new_tokens=32",
+                   signal_at="streamed")
+  assert_clean_exit(res, 130, "jaxspec.generate: interrupted")
+  assert res.stdout.strip() and res.stdout.endswith("\n")   # the streamed line, closed
+  assert "[jaxspec]" not in res.stderr                       # no stats for an interrupted run
