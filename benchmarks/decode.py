@@ -19,6 +19,7 @@ from flax import nnx
 
 from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit, load,
                                time_fn, write_json)
+from jaxspec import cli
 from jaxspec.attention import default_backend
 from jaxspec.decode import decode_chunk
 from jaxspec.sampling import SamplingParams
@@ -35,6 +36,7 @@ _OUT = flags.DEFINE_string("out", "benchmarks/out/decode.json", "JSON results")
 
 def main(argv):
   del argv
+  cli.quiet_logging()
   model, weights = load(_MODEL.value)
   cfg = model.cfg
   graphdef, params = nnx.split(model)

@@ -23,7 +23,7 @@ from absl import app, flags
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
 from benchmarks.serving import Engine, serve
-from jaxspec import speculative
+from jaxspec import cli, speculative
 from jaxspec.attention import default_backend
 from jaxspec.sampling import SamplingParams
 
@@ -88,6 +88,7 @@ def plot(acc: dict[float, float], tput: dict[tuple[int, float], float], prefix: 
 
 def main(argv):
   del argv
+  cli.quiet_logging()
   from jaxspec.loading import load_model
   backend = default_backend()
   loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)

@@ -34,7 +34,7 @@ from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit,
                                kernel_table, load, time_fn, write_json)
 from benchmarks.serving import Engine, serve
-from jaxspec import speculative
+from jaxspec import cli, speculative
 from jaxspec.attention import default_backend
 from jaxspec.sampling import SamplingParams
 
@@ -170,6 +170,7 @@ def plot(payload: dict, png_path: str) -> None:
 
 def main(argv):
   del argv
+  cli.quiet_logging()
   if _PLOT_ONLY.value:
     with open(_PLOT_ONLY.value) as f:
       plot(json.load(f), _PLOT_ONLY.value.removesuffix(".json") + ".png")
