@@ -1,4 +1,4 @@
-"""Drafting accuracy of every selection policy on real weights (issue 4; the paper's Fig. 4 / 10a).
+"""Drafting accuracy of every selection policy on real weights (the paper's Fig. 4 / 10a).
 
   python -m benchmarks.acceptance                       # SmolLM2-135M, 16 AIME25 prompts, 512 tokens
   python -m benchmarks.acceptance --num_prompts=4 --max_new_tokens=128 --methods=vegas,streaming
@@ -9,7 +9,10 @@ token, so gamma + 1 at best) and the acceptance probability by draft position
 template. Results go to --out as JSON, rewritten after every method, and a markdown table to stdout.
 With --profile_rounds=N each method is also timed phase by phase (`Runner.profile_rounds`).
 With --temperature=0 (greedy) vanilla decoding runs too and each method's agreement with it is
-reported (1.0 in float32: lossless; a rate in bfloat16).
+reported: the mean share of vanilla's tokens matched before the first difference, and the
+number of identical outputs (1.0 and all in float32, where greedy speculative decoding is exact;
+in bfloat16 the (gamma + 1)-token verification pass and the one-token step round differently, so
+outputs can part at a near-tie). Library logging stays quiet unless --verbosity is given.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks.common import device_name, git_commit, write_json
+from jaxspec import cli
 from jaxspec.engine.runner import METHODS, Runner
 from jaxspec.engine.sampling import SamplingParams
 
@@ -95,6 +99,7 @@ def table(results: list[dict], gamma: int) -> str:
 
 def main(argv):
   del argv
+  cli.quiet_logging()
   from jaxspec.io.loading import load_model
   unknown = [m for m in _METHODS.value if m not in METHODS or m in ("none", "draft")]
   if unknown:

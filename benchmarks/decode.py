@@ -19,6 +19,7 @@ from flax import nnx
 
 from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit, load,
                                time_fn, write_json)
+from jaxspec import cli
 from jaxspec.model.attention import default_backend
 from jaxspec.engine.runner import Runner
 
@@ -34,6 +35,7 @@ _OUT = flags.DEFINE_string("out", "benchmarks/out/decode.json", "JSON results")
 
 def main(argv):
   del argv
+  cli.quiet_logging()
   model, weights = load(_MODEL.value)
   cfg = model.cfg
   params = nnx.state(model)

@@ -1,11 +1,11 @@
-"""Kernel benchmark for issue 3: verify / sparse attention and top-k selection against the roofline.
+"""Kernel benchmark: verify / sparse attention and top-k selection against the roofline.
 
 One run measures a device copy (bytes read + written over time), then every case: the Pallas kernel,
 the jitted pure-JAX reference (XLA) and, where it applies, torch SDPA, each as microseconds, GB/s of
 the bytes the case must move at least (K/V rows it reads once, scores once) and % of the copy rate.
 With --check it first runs every kernel on the GPU against its reference on small shapes.
 
-  PYTHONPATH=. python benchmarks/kernels.py --out benchmarks/out/kernels.json
+  python -m benchmarks.kernels --out benchmarks/out/kernels.json
 
 Timing: JAX calls are dispatched back to back (asynchronously) and the wall time of a batch is
 divided by its size; the median over several batches is reported. torch is timed with
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import copy_ceiling, device_name, git_commit, write_json
 from jaxspec.drafting.policies import budget
+from jaxspec import cli
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 from pallas_kernels.sparse_attention import sparse_attention_reference
@@ -44,9 +45,10 @@ flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
 flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp"],
-                  "full: every case of issue 3; followup: the re-measurements after the first run; "
+                  "full: every case; followup: a second pass of tuning variants (verify defaults, "
+                  "score path, sparse T=8 knobs, small cases chained); "
                   "scores: split count and block_k of the scored verification kernel; "
-                  "topp: the sorting-free top-p select (issue 16) against sorting and top-k")
+                  "topp: the sorting-free top-p select against sorting and top-k")
 flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp"],
                   "kernel groups --check runs")
 flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
@@ -531,6 +533,7 @@ def summary():
 
 def main(argv):
   del argv
+  cli.quiet_logging()
   t_start = time.time()
   print(f"jax {jax.__version__} on {device_name()}", flush=True)
   checks = None

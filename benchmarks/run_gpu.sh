@@ -6,13 +6,13 @@
 # Usage: bash benchmarks/run_gpu.sh STEP...
 #   prep        install the carried wheels, convert the GGUF to an orbax checkpoint
 #   smoke       real-weight greedy generation on the GPU: vanilla vs vegas (must match)
-#   decode      vanilla decode roofline runs (issue 2)
-#   sweep       Vegas's (gamma, ratio) tuning on the long workload, Fig. 8 / Fig. 13 PNGs (issue 5)
-#   long, short continuous-batching runs of every method (issue 5), at GAMMA / RATIO from the sweep
+#   decode      vanilla decode roofline runs
+#   sweep       Vegas's (gamma, ratio) tuning on the long workload, Fig. 8 / Fig. 13 PNGs
+#   long, short continuous-batching runs of every method, at GAMMA / RATIO from the sweep
 #               (METHODS overrides the method list; WARMUP / MEASURE the window, default 6 / 12 s;
-#               BATCH the decode slots, default 128: the issue's cap, the most KV that it allows;
+#               BATCH the decode slots, default 128: the throughput goals' batch cap;
 #               SUFFIX is appended to the output file's name)
-#   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round (issue 5)
+#   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 JAXSPEC_DATA=.data
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

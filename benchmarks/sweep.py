@@ -22,6 +22,7 @@ from absl import app, flags
 
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
+from jaxspec import cli
 from jaxspec.engine.runner import Runner
 from jaxspec.model.attention import default_backend
 from jaxspec.engine.sampling import SamplingParams
@@ -87,6 +88,7 @@ def plot(acc: dict[float, float], tput: dict[tuple[int, float], float], prefix: 
 
 def main(argv):
   del argv
+  cli.quiet_logging()
   from jaxspec.io.loading import load_model
   backend = default_backend()
   loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)

@@ -33,6 +33,7 @@ from absl import app, flags
 from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit,
                                kernel_table, load, time_fn, write_json)
+from jaxspec import cli
 from jaxspec.drafting.draft_model import DraftModelState
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams
@@ -192,6 +193,7 @@ def plot(payload: dict, png_path: str) -> None:
 
 def main(argv):
   del argv
+  cli.quiet_logging()
   if _PLOT_ONLY.value:
     with open(_PLOT_ONLY.value) as f:
       plot(json.load(f), _PLOT_ONLY.value.removesuffix(".json") + ".png")

@@ -3,7 +3,9 @@
 `python -m jaxspec.convert --src=PATH --out=checkpoints/NAME [--dtype=bfloat16|float32] [--overwrite]`
 
 Writes params (orbax), jaxspec_config.json and the tokenizer files; see jaxspec.io.weights.checkpoint.
-A failed or interrupted conversion leaves nothing at --out.
+A failed or interrupted (Ctrl-C, SIGTERM) conversion leaves nothing at --out and nothing beside it;
+temp dirs that a killed conversion left beside --out are removed, and said so, by the next one.
+--overwrite replaces only an existing checkpoint, never a file or another directory.
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import flags
 
+from jaxspec import cli
 from jaxspec.io.weights import WeightsError, source_kind
 from jaxspec.io.weights import checkpoint
 from jaxspec.io.weights import gguf as gguf_weights
@@ -25,8 +28,7 @@ def convert(src: str | Path, out: str | Path, *, dtype=jnp.bfloat16, overwrite: 
             progress: bool = True) -> Path:
   """Read `src` (HF dir or GGUF file), write a checkpoint at `out`; return `out`."""
   src, out = Path(src), Path(out)
-  if out.exists() and not overwrite:   # fail before the slow part; atomic_dir checks again
-    raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+  checkpoint.check_target(out, overwrite)   # fail before the slow part; atomic_dir checks again
   kind = source_kind(src)
   copy_files = {}
   if kind == "hf":
@@ -49,8 +51,8 @@ def convert(src: str | Path, out: str | Path, *, dtype=jnp.bfloat16, overwrite: 
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)   # orbax logs every save step at INFO
   del argv
+  cli.quiet_logging()
   F = flags.FLAGS
   try:
     out = convert(F.src, F.out, dtype=DTYPES[F.dtype], overwrite=F.overwrite)
@@ -68,4 +70,4 @@ if __name__ == "__main__":
                       required=True)
   flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "dtype the params are stored in")
   flags.DEFINE_bool("overwrite", False, "replace an existing checkpoint at --out")
-  app.run(main)
+  cli.run(main, "jaxspec.convert")

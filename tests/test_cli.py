@@ -29,17 +29,53 @@ def test_batch_from_prompt_file(weights_smollm2_gguf, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prompt=hi", "--max_len=1"], "does not fit max_len=1"),
+    (["--prompt=hi", "--max_len=1"], "--max_len must be an integer >= 2, got 1"),
+    (["--prompt=hi", "--max_new_tokens=0"], "--max_new_tokens must be an integer >= 1, got 0"),
     (["--prompt=hi", "--top_p=0"], "top_p must be in (0, 1]"),
     (["--prompt=hi", "--temperature=-1"], "temperature must be >= 0"),
-    (["--prompt=hi", "--method=vegas", "--gamma=0"], "gamma"),
+    (["--prompt=hi", "--method=vegas", "--gamma=0"], "--gamma must be an integer >= 1, got 0"),
     (["--prompt=hi", "--method=vegas", "--sparsity=1.5"], "sparsity ratio must be in (0, 1]"),
+    (["--prompt=hi", "--method=vegas", "--min_tokens=-1"], "min_tokens must be a non-negative"),
+    (["--prompt= "], "--prompt is empty"),
     (["--max_new_tokens=3"], "give exactly one of --prompt or --prompt_file"),
 ])
-def test_bad_input_gives_a_one_line_error(weights_smollm2_gguf, args, message):
-  res = run_cli(f"--model={weights_smollm2_gguf}", *args)
-  assert res.returncode != 0
-  assert message in res.stderr.strip().splitlines()[-1]
+def test_bad_flags_fail_in_one_line_before_the_model_loads(tmp_path, args, message):
+  # The model does not exist: a flag error that names the flag was raised before loading it.
+  res = run_cli(f"--model={tmp_path / 'nope'}", *args)
+  assert res.returncode == 1
+  assert res.stderr.startswith(f"jaxspec.generate: error: {message}"), res.stderr
+  assert len(res.stderr.strip().splitlines()) == 1 and "nope" not in res.stderr
+
+
+def test_prompt_file_that_is_not_utf8(tmp_path):
+  bad = tmp_path / "latin1.txt"
+  bad.write_bytes("caf\u00e9\n".encode("latin-1"))
+  res = run_cli(f"--model={tmp_path / 'nope'}", f"--prompt_file={bad}")
+  assert res.returncode == 1
+  assert res.stderr == (f"jaxspec.generate: error: --prompt_file {bad} is not UTF-8 text "
+                        "(byte 0xe9 at offset 3)\n")
+
+
+def test_stats_line_counts_every_new_token_and_names_the_method_once(weights_smollm2_ckpt):
+  res = run_cli(f"--model={weights_smollm2_ckpt}", "--method=vegas", "--gamma=3",
+                "--min_tokens=16", "--max_new_tokens=8", "--prompt=One, two, three, four,")
+  assert res.returncode == 0, res.stderr[-2000:]
+  stats = res.stderr.strip().splitlines()[-1]
+  assert stats.startswith("[jaxspec] ") and "new tokens 8 |" in stats   # was 7: prefill's left out
+  assert stats.count("method") == 1 and "method vegas" in stats
+
+
+def test_prompt_past_the_model_s_context(weights_smollm2_ckpt, tmp_path):
+  res = run_cli(f"--model={weights_smollm2_ckpt}", "--prompt=hi", "--max_len=100000")
+  assert res.returncode == 1
+  assert res.stderr == ("jaxspec.generate: error: max_len=100000 exceeds the model's context of "
+                        "8192 tokens (max_position_embeddings)\n")
+  long = tmp_path / "long.txt"
+  long.write_text("word " * 9000 + "\n")
+  res = run_cli(f"--model={weights_smollm2_ckpt}", f"--prompt_file={long}")
+  assert res.returncode == 1
+  assert res.stderr.startswith("jaxspec.generate: error: the prompt of 9")
+  assert "exceeds the model's context of 8192 tokens" in res.stderr
 
 
 def test_missing_model_is_named(tmp_path):

@@ -45,7 +45,7 @@ def gen(model, prompts, *, max_new_tokens, max_len=None, seed=0, chunk=5, **sett
 def test_cached_decoding_matches_full_forward(model):
   prompt = [5, 17, 3, 88, 41, 9, 60]
   out, stats = gen(model, [prompt], max_new_tokens=12)
-  assert len(out[0]) == 12 and stats.new_tokens == 12
+  assert len(out[0]) == 12 and stats.new_tokens == 12 and stats.decode_tokens == 11
   logits = full_logits(model, prompt + out[0])
   # Every greedy token is the argmax of the full forward at the previous position.
   np.testing.assert_array_equal(logits[len(prompt) - 1:-1].argmax(-1), out[0])
@@ -154,7 +154,7 @@ def test_invalid_sampling_values(kwargs, match):
 def test_bad_batches():
   with pytest.raises(ValueError, match="max_len"):
     make_batch([[1] * 30], 4, max_len=30)
-  with pytest.raises(ValueError, match="at least one token"):
+  with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty list"):
     make_batch([[1], []], 4)
   with pytest.raises(ValueError, match="max_new_tokens"):
     make_batch([[1]], 0)

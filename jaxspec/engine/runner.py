@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxspec import requests
 from jaxspec.drafting import policies
 from jaxspec.drafting.draft_model import DraftModelDrafter
 from jaxspec.drafting.self_drafting import SelfDrafter
@@ -53,7 +54,7 @@ METHODS = ("none", "draft", *policies.SELF_DRAFTING)
 class GenerationStats:
   prompt_tokens: int = 0
   new_tokens: int = 0        # every generated token, the one sampled at prefill included
-  first_tokens: int = 0      # of which sampled at prefill (not counted in the decode rate)
+  decode_tokens: int = 0     # those the decode loop produced (new_tokens less one per sequence)
   compile_s: float = 0.0     # kept apart from prefill_s and decode_s
   prefill_s: float = 0.0
   decode_s: float = 0.0
@@ -62,8 +63,7 @@ class GenerationStats:
 
   @property
   def decode_tokens_per_s(self) -> float:
-    decoded = self.new_tokens - self.first_tokens
-    return decoded / self.decode_s if self.decode_s > 0 else float("nan")
+    return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
   def line(self) -> str:
     """One line: counts, prefill time, decode rate (tokens after the first), compile time, and
@@ -95,25 +95,22 @@ def _chunk(graphdefs, params, state, *, steps, config):
   return decode_chunk(target, state, steps, config)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-  return int(value)
-
-
 class Runner:
   """Compiled decoding of one model with one method (see the module docstring).
 
   method: one of METHODS; gamma: drafts per round (static); sparsity: the fraction of the prefix
   self-drafts attend to, in (0, 1]; min_tokens: the budget floor; score_kind: 'logits' | 'weights'
   for the vegas family; draft_model: the drafter for method 'draft' (same vocabulary as the
-  target); backend: 'reference', 'pallas' or 'interpret' (default: pallas on a GPU).
+  target); stop_ids: a sequence stops at its first stop id (kept in the output), None = the
+  model's end-of-sequence ids, () = none; backend: 'reference', 'pallas' or 'interpret' (default:
+  pallas on a GPU). Bad arguments raise a one-line ValueError (`jaxspec.requests`).
   """
 
   def __init__(self, model: Transformer, *, method: str = "none", gamma: int = 6,
                sparsity: float = 0.07, min_tokens: int = 256, score_kind: str = "logits",
                draft_model: Transformer | None = None, sampling: SamplingParams = SamplingParams(),
-               stop_ids: Sequence[int] = (), cache_dtype=jnp.bfloat16, backend: str | None = None):
+               stop_ids: Sequence[int] | None = None, cache_dtype=jnp.bfloat16,
+               backend: str | None = None):
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "draft" and draft_model is None:
@@ -127,11 +124,12 @@ class Runner:
     if method in policies.SELF_DRAFTING:
       policies.validate(method, ratio=sparsity, min_tokens=min_tokens, score_kind=score_kind)
     self.method = method
-    self.gamma = 0 if method == "none" else _check_int("gamma (draft tokens per round)", gamma, 1)
+    self.gamma = 0 if method == "none" else requests.check_count("gamma (draft tokens per round)",
+                                                                 gamma)
     self.sparsity, self.min_tokens, self.score_kind = sparsity, min_tokens, score_kind
     self.sampling = sampling
-    self.stop_ids = tuple(sorted(set(int(s) for s in stop_ids)))
-    self.cache_dtype = jnp.dtype(cache_dtype).name
+    self.stop_ids = requests.check_stop_ids(stop_ids, model.cfg)
+    self.cache_dtype = requests.check_dtype("cache_dtype", cache_dtype).name
     self.backend = check_backend(backend or default_backend())
     self.model, self.draft_model = model, draft_model
     target_gd, target_params = nnx.split(model)
@@ -184,10 +182,13 @@ class Runner:
 
   def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
             max_len: int | None = None, seed: int = 0, max_new_buffer: int | None = None):
-    """Prefill: (the state the loops start from, seconds spent compiling, the Batch)."""
+    """Prefill: (the state the loops start from, seconds spent compiling, the Batch). max_len
+    (prompt + new tokens per sequence) defaults to the longest prompt + max_new_tokens, capped at
+    the model's context."""
+    max_len = requests.check_request(self.model.cfg, prompts, max_new_tokens, max_len)
     batch = make_batch(prompts, max_new_tokens, max_len, spare=self.spare,
                        max_new_buffer=max_new_buffer)
-    self._check_context(max_len or int(batch.prompt_lens.max() + batch.max_new.max()))
+    self._check_context(max_len)
     args = (self._params, jnp.asarray(batch.prompts), jnp.asarray(batch.prompt_lens),
             jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
     run, seconds = self._compile(_prefill, *args, config=self.config(batch.capacity),
@@ -219,7 +220,7 @@ class Runner:
     """
     if chunk is None:
       chunk = 16 if self.speculative else 64
-    chunk = _check_int("chunk", chunk, 1)
+    chunk = requests.check_count("chunk", chunk)
     stats = GenerationStats()
     state, stats.compile_s, batch = self.start(prompts, max_new_tokens, max_len=max_len, seed=seed)
     stats.prompt_tokens = int(batch.prompt_lens.sum())
@@ -234,7 +235,7 @@ class Runner:
       return bool(np.asarray(ds.done).all())
 
     done = report(state)
-    stats.first_tokens = int(np.asarray(decode_state(state).num_new).sum())
+    first = int(np.asarray(decode_state(state).num_new).sum())
     if not done:   # compile the chunk before the clock starts
       stats.compile_s += self._compile(_chunk, self._params, state, steps=chunk,
                                        config=self.config(batch.capacity))[1]
@@ -248,6 +249,7 @@ class Runner:
     ds = decode_state(state)
     tokens, num_new = jax.device_get((ds.tokens, ds.num_new))
     stats.new_tokens = int(num_new.sum())
+    stats.decode_tokens = stats.new_tokens - first
     stats.extra = {"method": self.method}
     if self.speculative:
       hist, rounds = jax.device_get((state.accept_hist, state.rounds))
@@ -411,6 +413,8 @@ class Runner:
     """
     if not self.speculative:
       raise ValueError("time_phases times speculative phases; method 'none' has none")
+    requests.check_count("rounds", rounds)
+    requests.check_count("warmup", warmup, 0)
     draft_fn, verify_fn, update_fn = self._phase_fns(self.config(state.decode.cache.capacity))
     times = {"draft": 0.0, "verify": 0.0, "select": 0.0}
     hist0 = None
@@ -443,6 +447,8 @@ class Runner:
     (warmup + rounds) * (gamma + 1) (the default) so that sequences do not finish early."""
     if not self.speculative:
       raise ValueError("profile_rounds times speculative phases; method 'none' has none")
+    requests.check_count("rounds", rounds)
+    requests.check_count("warmup", warmup, 0)
     if max_new_tokens is None:
       max_new_tokens = (warmup + rounds + 1) * (self.gamma + 1)
     state, _, _ = self.start(prompts, max_new_tokens, max_len=max_len, seed=seed)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxspec import requests
 from jaxspec.model.kv_cache import KVCache
 
 
@@ -103,12 +104,10 @@ def make_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[
   """Pad token lists into a Batch. `max_len` (prompt + generated, per sequence) sizes the cache;
   `spare` extra slots are reserved for speculative verification; `max_new_buffer` fixes the
   output buffer's width (default: the largest budget, bucketed). Raises ValueError on bad input."""
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError("every prompt must have at least one token")
+  requests.check_prompts(prompts)
+  requests.check_max_new_tokens(max_new_tokens, len(prompts))
   n = len(prompts)
   max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (n,)).copy()
-  if (max_new < 1).any():
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   lens = np.asarray([len(p) for p in prompts], np.int32)
   longest = int(lens.max())
   if max_len is None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 
 from jaxspec import fetch as fetch_lib
+from jaxspec import requests
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import Transformer
 from jaxspec.io.weights import WeightsError, source_kind
@@ -39,7 +40,9 @@ class LoadedModel:
 
 
 def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False) -> LoadedModel:
-  """Config, filled model at `dtype` and tokenizer for `spec` (see the module docstring)."""
+  """Config, filled model at `dtype` (a floating-point dtype) and tokenizer for `spec` (see the
+  module docstring)."""
+  requests.check_dtype("dtype", dtype)
   path = Path(spec)
   if not path.exists() and str(spec) in fetch_lib.DEMOS:
     path = fetch_lib.default_checkpoint_dir() / str(spec)
