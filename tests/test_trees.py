@@ -1,11 +1,14 @@
-"""Draft trees: shape and flattening, masks, compaction."""
+"""Draft trees: shape and flattening, masks, compaction, and lossless tree acceptance."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import kv_cache
+from jaxspec import kv_cache, rejection, tree_acceptance as ta
+from jaxspec.sampling import SamplingParams, probabilities
 from jaxspec.trees import Tree, compact_layer, mask_from_bits
+
+from chi2 import chi2_pvalue
 
 # ----------------------------------------------------------------------------------------------
 # Shape, flattening, masks
@@ -143,3 +146,219 @@ def test_compaction_equals_writing_the_accepted_path_contiguously(order):
     np.testing.assert_array_equal(out[i, :end], want[:end])
     # at most depth entries move: the rest of the tree and what follows it are untouched
     np.testing.assert_array_equal(out[i, end:], cache[i, end:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Greedy acceptance
+
+greedy = jax.jit(ta.verify_tree_greedy, static_argnames="tree")
+emitted = jax.jit(ta.emitted_tokens, static_argnames="tree")
+
+
+def _one_hot_logits(argmax_rows, v=10):
+  return jax.nn.one_hot(jnp.asarray(argmax_rows), v) * 4.0 - 2.0
+
+
+def test_greedy_by_hand():
+  tree = Tree.from_widths((2, 1))             # BFS: 0 -> 1, 2; 1 -> 3; 2 -> 4
+  # target argmax per row (row i: the token after node i) and the tree's tokens (node 0 ignored)
+  target = [[3, 1, 6, 2, 4],    # node 2 (3) matches row 0, node 4 (6) matches row 2: bonus row 4
+            [3, 1, 6, 2, 4],    # nothing matches row 0: correction 3
+            [3, 5, 6, 2, 4],    # node 1 matches, its child 9 != 5: correction 5
+            [3, 5, 5, 2, 4],    # both siblings are 3 and both children match: the first path
+            [3, 5, 6, 2, 4]]    # node 1 matches, then node 3 (5): bonus row 3
+  tokens = jnp.asarray([[8, 7, 3, 5, 6],
+                        [8, 1, 2, 0, 0],
+                        [8, 3, 4, 9, 9],
+                        [8, 3, 3, 5, 5],
+                        [8, 3, 4, 5, 0]], jnp.int32)
+  v = greedy(tree, tokens, _one_hot_logits(target))
+  np.testing.assert_array_equal(v.last_node, [4, 0, 1, 3, 3])
+  np.testing.assert_array_equal(v.accepted, [2, 0, 1, 2, 2])
+  np.testing.assert_array_equal(v.next_token, [4, 3, 5, 2, 2])
+  np.testing.assert_array_equal(emitted(tree, tokens, v),
+                                [[3, 6, 4], [3, -1, -1], [3, 5, -1], [3, 5, 2], [3, 5, 2]])
+  # The same trees in DFS order give the same output.
+  dfs = tree.flatten("dfs")
+  perm = tree.permutation("dfs")
+  w = greedy(dfs, tokens[:, perm], _one_hot_logits(np.asarray(target)[:, perm]))
+  np.testing.assert_array_equal(perm[np.asarray(w.last_node)], v.last_node)
+  np.testing.assert_array_equal(emitted(dfs, tokens[:, perm], w),
+                                emitted(tree, tokens, v))
+
+
+def test_greedy_takes_the_longest_matching_path():
+  """Both depth-1 siblings carry the argmax; the first one's children miss, the second one's
+  second child and its leaf match: the longer path wins over sibling order."""
+  tree = Tree.from_widths((2, 2, 1))          # BFS: 1, 2 | 3, 4 (of 1), 5, 6 (of 2) | 7, 8, 9, 10
+  tokens = np.full((1, tree.size), 9)
+  target = np.zeros((1, tree.size), int)
+  target[0, 0] = tokens[0, 1] = tokens[0, 2] = 1
+  target[0, 1] = 7                            # nodes 3, 4 carry 9
+  target[0, 2] = tokens[0, 6] = 4             # node 5 carries 9
+  target[0, 6] = tokens[0, 10] = 5
+  target[0, 10] = 8
+  v = greedy(tree, jnp.asarray(tokens), _one_hot_logits(target))
+  assert (int(v.last_node[0]), int(v.accepted[0]), int(v.next_token[0])) == (10, 3, 8)
+
+
+def test_greedy_chain_equals_rejection():
+  rng = np.random.default_rng(1)
+  target = jnp.asarray(rng.normal(size=(64, 4, 5)), jnp.float32)
+  drafts = jnp.asarray(np.where(rng.random((64, 3)) < 0.7, np.asarray(target[:, :3].argmax(-1)),
+                                rng.integers(0, 5, (64, 3))), jnp.int32)
+  tokens = jnp.concatenate([jnp.zeros((64, 1), jnp.int32), drafts], axis=1)
+  chain = rejection.verify_greedy(drafts, target)
+  tree = greedy(Tree.chain(3), tokens, target)
+  np.testing.assert_array_equal(tree.accepted, chain.accepted)
+  np.testing.assert_array_equal(tree.last_node, chain.accepted)
+  np.testing.assert_array_equal(tree.next_token, chain.next_token)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampled acceptance
+#
+# A tiny Markov "model": the target's next-token distribution is P[token], the drafter's Q[token],
+# so node i's target row is P[tokens[i]] and its draft row Q[tokens[i]]. The first emitted token
+# must follow P[root] and, in rounds that accept a first draft t1, the second must follow P[t1].
+
+V, ROUNDS, ROOT = 5, 100_000, 0
+
+
+def markov(seed):
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet(np.ones(V) * 0.7, size=V)
+  q = rng.dirichlet(np.ones(V) * 0.7, size=V)
+  p[ROOT, 4] = 0.0                 # a token the target never emits but the drafter may propose
+  p[ROOT] /= p[ROOT].sum()
+  return p.astype(np.float32), q.astype(np.float32)
+
+
+def draft(rng, tree, q, siblings, rounds=ROUNDS):
+  """tokens [rounds, T]: each node's children drawn from Q[its token] as `siblings` says."""
+  tokens = np.zeros((rounds, tree.size), np.int64)
+  tokens[:, 0] = ROOT
+  for node, kids in enumerate(tree.children):
+    if not kids:
+      continue
+    dist = q[tokens[:, node]].astype(np.float64)                 # [rounds, V]
+    w = len(kids)
+    if siblings == "iid":
+      u = rng.random((rounds, w, 1))
+      tokens[:, kids] = np.minimum((np.cumsum(dist, -1)[:, None] < u).sum(-1), V - 1)
+    elif siblings == "without_replacement":                       # Gumbel top-w, in order
+      g = np.log(dist) + rng.gumbel(size=dist.shape)
+      tokens[:, kids] = np.argsort(-g, axis=-1)[:, :w]
+    else:                                                         # the top-w tokens of q
+      tokens[:, kids] = np.argsort(-dist, axis=-1, kind="stable")[:, :w]
+  return tokens
+
+
+def run_tree(tree, p, q, siblings, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = draft(rng, tree, q, siblings)
+  # A fresh function object per call: jit caches traces per function, and the broken-rule test
+  # below must trace the monkeypatched residual.
+  fn = jax.jit(lambda *a: ta.verify_tree_sampled(*a, siblings=siblings), static_argnums=1)
+  v = fn(jax.random.PRNGKey(seed), tree, jnp.asarray(tokens, jnp.int32),
+         jnp.asarray(q[tokens]), jnp.asarray(p[tokens]))
+  return np.asarray(emitted(tree, jnp.asarray(tokens, jnp.int32), v)), np.asarray(v.accepted)
+
+
+@pytest.mark.parametrize("siblings", ta.SIBLINGS)
+def test_tree_sampling_follows_the_target(siblings):
+  p, q = markov(0)
+  tree = Tree.from_widths((2, 2))
+  out, accepted = run_tree(tree, p, q, siblings)
+  assert chi2_pvalue(np.bincount(out[:, 0], minlength=V), p[ROOT]) > 1e-3
+  second = accepted >= 1
+  # How often a first draft is accepted: with one-hot q_k, p(x_1) + p(x_2); with i.i.d. siblings
+  # a1 + (1 - a1) a2, a_k = sum min(r_k, q); without replacement more than one draft's a1.
+  a1 = np.minimum(p[ROOT], q[ROOT]).sum()
+  if siblings == "deterministic":
+    want = p[ROOT][np.argsort(-q[ROOT], kind="stable")[:2]].sum()
+  else:
+    r2 = np.maximum(p[ROOT] - q[ROOT], 0) / (1 - a1)
+    want = a1 + (1 - a1) * np.minimum(r2, q[ROOT]).sum()
+  if siblings == "without_replacement":
+    assert second.mean() > a1 + 0.05
+  else:
+    assert abs(second.mean() - want) < 0.01, (second.mean(), want)
+  for t1 in range(V):
+    rows = second & (out[:, 0] == t1)
+    if rows.sum() > 2_000:
+      assert chi2_pvalue(np.bincount(out[rows, 1], minlength=V), p[t1]) > 1e-4, t1
+
+
+@pytest.mark.parametrize("siblings", ["iid", "deterministic"])
+def test_siblings_tried_against_the_unchanged_target_are_detected(siblings, monkeypatch):
+  """The broken rule never updates the residual: every sibling is tried against the target p
+  itself, and the correction after all siblings are rejected is drawn from p."""
+  p, q = markov(0)
+  monkeypatch.setattr(ta, "_sibling_residual", lambda r, qk: r)
+  out, _ = run_tree(Tree.from_widths((2, 2)), p, q, siblings)
+  assert chi2_pvalue(np.bincount(out[:, 0], minlength=V), p[ROOT]) < 1e-6
+
+
+@pytest.mark.parametrize("sp,siblings", [
+    (SamplingParams(temperature=0.8, top_k=4), "iid"),
+    (SamplingParams(temperature=0.8, top_k=4), "without_replacement"),
+    (SamplingParams(temperature=0.8, top_k=4), "deterministic"),
+    (SamplingParams(), "iid")])
+def test_width_one_tree_is_the_chain_key_for_key(sp, siblings):
+  """Tree.chain(gamma) gives rejection.verify_drafts' verdict for the same key: same accepted
+  count, same next token. 'deterministic' matches the chain given one-hot draft distributions."""
+  b, gamma, vocab = 256, 3, 11
+  rng = np.random.default_rng(5)
+  target = jnp.asarray(rng.normal(size=(b, gamma + 1, vocab)), jnp.float32)
+  q_logits = target[:, :gamma] + jnp.asarray(rng.normal(size=(b, gamma, vocab)), jnp.float32)
+  q = probabilities(q_logits, sp)
+  drafts = jax.random.categorical(jax.random.PRNGKey(6), jnp.log(q), axis=-1).astype(jnp.int32)
+  if siblings == "deterministic":
+    q = jax.nn.one_hot(drafts, vocab)
+  tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), drafts], axis=1)
+  q_rows = jnp.concatenate([q, jnp.zeros((b, 1, vocab))], axis=1)       # the leaf row is unused
+
+  @jax.jit
+  def both(key):      # one compilation for the two (they share the key's random draws)
+    return (rejection.verify_drafts(key, drafts, q, target, sp),
+            ta.verify_tree(key, Tree.chain(gamma), tokens, q_rows, target, sp, siblings))
+
+  chain, tree = both(jax.random.PRNGKey(7))
+  np.testing.assert_array_equal(tree.accepted, chain.accepted)
+  np.testing.assert_array_equal(tree.last_node, chain.accepted)
+  np.testing.assert_array_equal(tree.next_token, chain.next_token)
+  assert 0 < int(chain.accepted.sum()) < b * gamma
+
+
+def test_greedy_is_the_sampled_rule_on_one_hot_probabilities():
+  """With one-hot targets and distinct top-w drafts the sampled rule takes the greedy path."""
+  tree = Tree.from_widths((3, 2), order="dfs")
+  b, vocab = 128, 6
+  rng = np.random.default_rng(8)
+  # drafts: at each node its children are the top-w tokens of a noisy copy of the target row
+  target = rng.normal(size=(b, tree.size, vocab)).astype(np.float32)
+  noisy = target + 0.7 * rng.normal(size=target.shape)
+  tokens = np.zeros((b, tree.size), np.int64)
+  for node, kids in enumerate(tree.children):
+    if kids:
+      tokens[:, kids] = np.argsort(-noisy[:, node], axis=-1)[:, :len(kids)]
+  tokens = jnp.asarray(tokens, jnp.int32)
+  fast = greedy(tree, tokens, jnp.asarray(target))
+  general = jax.jit(ta.verify_tree_sampled, static_argnames=("tree", "siblings"))(
+      jax.random.PRNGKey(0), tree, tokens, None, probabilities(target, SamplingParams()),
+      siblings="deterministic")
+  np.testing.assert_array_equal(fast.last_node, general.last_node)
+  np.testing.assert_array_equal(fast.next_token, general.next_token)
+  assert len(set(np.asarray(fast.accepted).tolist())) >= 3
+
+
+def test_bad_arguments():
+  tree = Tree.from_widths((2,))
+  tokens, p = jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 3, 4)) / 4
+  with pytest.raises(ValueError, match="siblings"):
+    ta.verify_tree_sampled(jax.random.PRNGKey(0), tree, tokens, p, p, siblings="topk")
+  with pytest.raises(ValueError, match="draft_probs"):
+    ta.verify_tree_sampled(jax.random.PRNGKey(0), tree, tokens, None, p)
+  with pytest.raises(ValueError, match="tokens"):
+    ta.verify_tree_greedy(tree, jnp.zeros((2, 4), jnp.int32), p)
