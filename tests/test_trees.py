@@ -362,3 +362,40 @@ def test_bad_arguments():
     ta.verify_tree_sampled(jax.random.PRNGKey(0), tree, tokens, None, p)
   with pytest.raises(ValueError, match="tokens"):
     ta.verify_tree_greedy(tree, jnp.zeros((2, 4), jnp.int32), p)
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification attention with a tree mask (the pure-JAX reference)
+
+@pytest.mark.parametrize("order", ["bfs", "dfs"])
+def test_tree_verification_equals_verifying_each_path(order):
+  """One pass over the flattened tree with its mask gives, on each root-to-leaf path's rows, what
+  verifying that path alone as a chain (its K/V contiguous after the prefix) gives."""
+  from pallas_kernels.verify_attention import verify_attention_reference as ref
+  tree = Tree.from_widths((2, 2, 1), order=order)
+  t, b, s, hq, hkv, d = tree.size, 2, 40, 4, 2, 16
+  rng = np.random.default_rng(11)
+  lengths = jnp.asarray([5, 21], jnp.int32)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, node_k, node_v = normal(b, t, hq, d), normal(b, t, hkv, d), normal(b, t, hkv, d)
+  prefix_k, prefix_v = normal(b, s, hkv, d), normal(b, s, hkv, d)
+  at = lengths[:, None] + jnp.arange(t)
+  k, v = kv_cache.write(prefix_k, node_k, at), kv_cache.write(prefix_v, node_v, at)
+  out, scores = ref(q, k, v, lengths, tree_mask=jnp.asarray(tree.mask), score_kind="weights",
+                    per_row=True)
+  for path in tree.paths():
+    path = list(path)
+    at = lengths[:, None] + jnp.arange(len(path))
+    pk = kv_cache.write(prefix_k, node_k[:, path], at)
+    pv = kv_cache.write(prefix_v, node_v[:, path], at)
+    want, want_scores = ref(q[:, path], pk, pv, lengths, score_kind="weights", per_row=True)
+    np.testing.assert_allclose(out[:, path], want, atol=2e-6, rtol=1e-5)
+    for i in range(b):      # the prefix keys' weights agree too
+      n = int(lengths[i])
+      np.testing.assert_allclose(np.asarray(scores[i, path, :n], np.float32),
+                                 np.asarray(want_scores[i, :, :n], np.float32), rtol=1e-2)
+  # the chain's mask is the causal rule
+  chain = jnp.asarray(Tree.chain(t - 1).mask)
+  np.testing.assert_array_equal(ref(q, k, v, lengths, tree_mask=chain)[0], ref(q, k, v, lengths)[0])
+  with pytest.raises(ValueError, match="tree_mask"):
+    ref(q, k, v, lengths, tree_mask=chain[:-1])
