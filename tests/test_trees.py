@@ -300,35 +300,41 @@ def test_siblings_tried_against_the_unchanged_target_are_detected(siblings, monk
   assert chi2_pvalue(np.bincount(out[:, 0], minlength=V), p[ROOT]) < 1e-6
 
 
-@pytest.mark.parametrize("sp,siblings", [
-    (SamplingParams(temperature=0.8, top_k=4), "iid"),
-    (SamplingParams(temperature=0.8, top_k=4), "without_replacement"),
-    (SamplingParams(temperature=0.8, top_k=4), "deterministic"),
-    (SamplingParams(), "iid")])
-def test_width_one_tree_is_the_chain_key_for_key(sp, siblings):
-  """Tree.chain(gamma) gives rejection.verify_drafts' verdict for the same key: same accepted
-  count, same next token. 'deterministic' matches the chain given one-hot draft distributions."""
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.8, top_k=4), SamplingParams()])
+def test_width_one_tree_is_the_chain_key_for_key(sp):
+  """Tree.chain(gamma) gives rejection.verify_drafts' verdict for the same key, in every siblings
+  mode: same accepted count, same next token. 'deterministic' is checked against the chain given
+  one-hot draft distributions (what a deterministic draft is drawn from)."""
   b, gamma, vocab = 256, 3, 11
   rng = np.random.default_rng(5)
   target = jnp.asarray(rng.normal(size=(b, gamma + 1, vocab)), jnp.float32)
   q_logits = target[:, :gamma] + jnp.asarray(rng.normal(size=(b, gamma, vocab)), jnp.float32)
-  q = probabilities(q_logits, sp)
-  drafts = jax.random.categorical(jax.random.PRNGKey(6), jnp.log(q), axis=-1).astype(jnp.int32)
-  if siblings == "deterministic":
-    q = jax.nn.one_hot(drafts, vocab)
-  tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), drafts], axis=1)
-  q_rows = jnp.concatenate([q, jnp.zeros((b, 1, vocab))], axis=1)       # the leaf row is unused
+  chain_tree = Tree.chain(gamma)
 
   @jax.jit
-  def both(key):      # one compilation for the two (they share the key's random draws)
-    return (rejection.verify_drafts(key, drafts, q, target, sp),
-            ta.verify_tree(key, Tree.chain(gamma), tokens, q_rows, target, sp, siblings))
+  def verdicts(key, target, q_logits):
+    """Draft, then verify as a chain and as a tree: one compilation (arguments, not closed-over
+    constants, which XLA would spend seconds folding)."""
+    k_draft, key = jax.random.split(key)
+    q = probabilities(q_logits, sp)
+    drafts = jax.random.categorical(k_draft, jnp.log(q), axis=-1).astype(jnp.int32)
+    one_hot = jax.nn.one_hot(drafts, vocab)
+    tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), drafts], axis=1)
+    leaf_row = jnp.zeros((b, 1, vocab))                                # unused
+    out = {}
+    for siblings in ta.SIBLINGS:
+      q_chain = one_hot if siblings == "deterministic" else q
+      out[siblings] = (rejection.verify_drafts(key, drafts, q_chain, target, sp),
+                       ta.verify_tree(key, chain_tree, tokens,
+                                      jnp.concatenate([q_chain, leaf_row], axis=1), target, sp,
+                                      siblings))
+    return out
 
-  chain, tree = both(jax.random.PRNGKey(7))
-  np.testing.assert_array_equal(tree.accepted, chain.accepted)
-  np.testing.assert_array_equal(tree.last_node, chain.accepted)
-  np.testing.assert_array_equal(tree.next_token, chain.next_token)
-  assert 0 < int(chain.accepted.sum()) < b * gamma
+  for siblings, (chain, tree) in verdicts(jax.random.PRNGKey(7), target, q_logits).items():
+    np.testing.assert_array_equal(tree.accepted, chain.accepted, err_msg=siblings)
+    np.testing.assert_array_equal(tree.last_node, chain.accepted, err_msg=siblings)
+    np.testing.assert_array_equal(tree.next_token, chain.next_token, err_msg=siblings)
+    assert 0 < int(chain.accepted.sum()) < b * gamma
 
 
 def test_greedy_is_the_sampled_rule_on_one_hot_probabilities():
@@ -351,6 +357,15 @@ def test_greedy_is_the_sampled_rule_on_one_hot_probabilities():
   np.testing.assert_array_equal(fast.last_node, general.last_node)
   np.testing.assert_array_equal(fast.next_token, general.next_token)
   assert len(set(np.asarray(fast.accepted).tolist())) >= 3
+
+
+def test_root_alone_is_plain_decoding():
+  tree, tokens = Tree.from_widths(()), jnp.zeros((3, 1), jnp.int32)
+  p = jax.nn.one_hot(jnp.asarray([[2], [0], [3]]), 4)
+  for v in (greedy(tree, tokens, p),
+            ta.verify_tree_sampled(jax.random.PRNGKey(0), tree, tokens, p, p)):
+    np.testing.assert_array_equal(v.accepted, [0, 0, 0])
+    np.testing.assert_array_equal(emitted(tree, tokens, v), [[2], [0], [3]])
 
 
 def test_bad_arguments():
