@@ -5,6 +5,8 @@ Shapes (GQA, Hq = G * Hkv):
   k, v     [B, S, Hkv, D]  the KV cache, the T new entries already written at lengths[b] + t
   lengths  [B] int32       entries in the cache *before* the new tokens (0 <= lengths[b] <= S - T)
 Query row t of sequence b sits at position lengths[b] + t and sees keys j <= lengths[b] + t.
+For a draft tree (`jaxspec.drafting.trees`) the reference takes `tree_mask` [T, T]: a row sees the
+prefix, its ancestors and itself among the T new keys; the kernel does not take it yet.
 
 Optional criticality scores [B, S] (bf16): for each key j visible to every collected row, the mean
 over collected rows and all Hq query heads of either the raw logit q.k (`score_kind='logits'`,
@@ -90,13 +92,19 @@ def normalize_rows(score_rows: tuple[int, ...] | None, t: int) -> tuple[int, ...
 @functools.partial(jax.jit, static_argnames=("score_kind", "score_rows", "sm_scale", "per_row"))
 def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = None,
                                score_rows: tuple[int, ...] | None = (0, -1),
-                               sm_scale: float | None = None, per_row: bool = False):
+                               sm_scale: float | None = None, per_row: bool = False,
+                               tree_mask: jax.Array | None = None):
   """Pure-JAX reference. Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16 or None).
 
   per_row: scores [B,T,S] instead, one row per query row t (mean over the Hq heads of that row's
   logits or weights; -inf on the keys it does not see); `score_rows` is then unused.
+  tree_mask [T, T] bool (a draft tree, `jaxspec.drafting.trees.Tree.mask`): row t sees new key u
+  (at lengths + u) only where tree_mask[t, u], on top of the causal rule; the prefix stays visible to
+  every row. None is the chain (causal). Scores follow the same visibility.
   """
   _check_shapes(q, k, v, lengths)
+  if tree_mask is not None and tree_mask.shape != (q.shape[1],) * 2:
+    raise ValueError(f"tree_mask must be [T, T] = {(q.shape[1],) * 2}, got {tree_mask.shape}")
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -105,6 +113,10 @@ def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = Non
   logits = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32))   # [B,Hkv,G,T,S]
   pos = lengths[:, None] + jnp.arange(t)[None]                           # [B,T]
   visible = jnp.arange(s)[None, None, :] <= pos[:, :, None]              # [B,T,S]
+  if tree_mask is not None:
+    rel = jnp.arange(s)[None, :] - lengths[:, None]                       # [B,S]: new key index
+    in_tree = jnp.asarray(tree_mask, bool)[:, jnp.clip(rel, 0, t - 1)].transpose(1, 0, 2)
+    visible = visible & ((rel < 0)[:, None, :] | in_tree)
   masked = jnp.where(visible[:, None, None], logits * scale, NEG_INF)
   lse = jax.nn.logsumexp(masked, axis=-1, keepdims=True)
   probs = jnp.exp(masked - lse)

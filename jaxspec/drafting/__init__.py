@@ -1,1 +1,2 @@
-"""Drafting: KV selection policies for self-drafting, their page helpers, and the draft-model drafter."""
+"""Drafting: KV selection policies for self-drafting, their page helpers, the draft-model drafter
+and draft trees."""

@@ -248,7 +248,8 @@ class Quest(SelectionPolicy):
     want = pages.pages_for_budget(budget(lengths, self.ratio, self.min_tokens, self.k_max))
     # Layer by layer: stacking the layers' keys first would copy the whole K cache every round.
     summaries = [pages.page_summaries(k, pages.PAGE_SIZE) for k in cache.k]
-    return QuestPages(pages=jnp.broadcast_to(jnp.minimum(want, n_full), (len(cache.k), cache.batch)),
+    n_layers = len(cache.k)
+    return QuestPages(pages=jnp.broadcast_to(jnp.minimum(want, n_full), (n_layers, cache.batch)),
                       tail_start=n_full * pages.PAGE_SIZE,
                       page_min=jnp.stack([lo for lo, _ in summaries]),
                       page_max=jnp.stack([hi for _, hi in summaries]),

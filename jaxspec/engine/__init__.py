@@ -1,1 +1,2 @@
-"""The engine: decode state, prefill, the vanilla and speculative loops, rejection sampling, the runner."""
+"""The engine: decode state, prefill, the vanilla and speculative loops, rejection sampling and
+the runner."""

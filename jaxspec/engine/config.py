@@ -33,7 +33,7 @@ class RunConfig:
     if (self.gamma == 0) != (self.drafter is None):
       raise ValueError("a speculative run needs both gamma >= 1 and a drafter; vanilla neither")
     if not isinstance(self.gamma, int) or self.gamma < 0:
-      raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {self.gamma!r}")
+      raise ValueError(f"gamma (draft tokens per round) must be an integer, got {self.gamma!r}")
 
   @property
   def speculative(self) -> bool:

@@ -144,7 +144,8 @@ def _quest_pages(q: jax.Array, k_cache: jax.Array, plan: QuestPages) -> Sparse:
   """Quest, per KV head: the plan's number of pages with the largest q.k bound among the full
   pages before tail_start, as token positions [B, Hkv, max_pages * page_size] + counts [B, Hkv]."""
   if q.shape[1] != 1:
-    raise ValueError(f"quest attention scores pages per query: one new token per step, got T={q.shape[1]}")
+    raise ValueError("quest attention scores pages per query: one new token per step, got "
+                     f"T={q.shape[1]}")
   page_size = k_cache.shape[1] // plan.page_min.shape[1]
   scores = _pages.quest_scores(q[:, 0], plan.page_min, plan.page_max)       # [B, Hkv, P]
   n_full = (plan.tail_start // page_size)[:, None]
