@@ -1,5 +1,10 @@
 """jaxspec: lossless self-speculative decoding with sparse attention (Vegas) in JAX and Pallas.
 
+Lossless as speculative sampling is: sampled output follows plain decoding's distribution, and
+greedy output equals plain greedy decoding exactly in float32; in bfloat16 the verification pass
+and the one-token step round differently, so greedy texts can part at a near-tie (README, "What
+lossless means here").
+
 Entry points: `jaxspec.loading.load_model`, `jaxspec.decode.generate` (vanilla),
 `jaxspec.speculative.speculative_generate` (Vegas and the baselines), and the CLI
 `python -m jaxspec.generate`. See README.md.

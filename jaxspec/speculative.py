@@ -291,9 +291,12 @@ def speculative_generate(model: Transformer, prompts: list[list[int]], *, method
 
   method: one of METHODS ('none' = vanilla `decode.generate`); gamma: drafts per round (static);
   sparsity: the ratio of the prefix drafts attend to, in (0, 1]; min_tokens: the budget floor;
-  score_kind: 'logits' | 'weights' for the vegas family. Lossless: greedy output equals vanilla
-  greedy, sampled output follows the same distribution. `on_chunk(tokens [B, N], num_new [B],
-  done [B])` runs on the host after prefill and after every `chunk_rounds` rounds.
+  score_kind: 'logits' | 'weights' for the vegas family. Lossless: sampled output follows vanilla
+  sampling's distribution, and greedy output equals vanilla greedy exactly in float32; in bfloat16
+  the (gamma + 1)-token verification pass and the one-token step round differently, so the texts
+  can part at a near-tie (README, "What lossless means here"). stop_ids: as in
+  `decode.generate` (None = the model's end-of-sequence ids). `on_chunk(tokens [B, N],
+  num_new [B], done [B])` runs on the host after prefill and after every `chunk_rounds` rounds.
   stats.extra: method, gamma, mean_accepted_tokens (per round, incl. the corrected/bonus token),
   acceptance_by_position (list of gamma floats), verify_rounds (sequence-rounds counted).
   """
