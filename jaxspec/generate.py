@@ -100,7 +100,7 @@ class TextStreamer:
         sys.stdout.flush()
         self.printed[0] = text
         self.open_line = bool(text)
-        cli.test_point("streamed")
+        cli.interrupt_point("streamed")
       elif done is not None and done[i] and not self.finished[i]:
         self.finished[i] = True
         sys.stdout.write(f"=== [{i}] ===\n{self.text(ids)}\n")
