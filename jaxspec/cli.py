@@ -8,9 +8,9 @@
   checkpoint or download is removed), and what was printed to stdout stays.
 - `signals_deferred()`: holds SIGINT/SIGTERM over a block that must not be cut in half (orbax's
   threaded checkpoint write) and delivers the signal when the block ends.
-- `quiet_logging()`: library logging (orbax logs every array it reads or writes) stays at warnings
-  unless `--verbosity` is given.
-- `test_point(phase)`: a test hook; see its docstring.
+- `quiet_logging()`: library logging stays quiet unless `--verbosity` is given (orbax logs every
+  array it reads or writes).
+- `interrupt_point(phase)`: a test hook; see its docstring.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def signals_deferred(what: str = "this step") -> Iterator[None]:
 
 
 def quiet_logging() -> None:
-  """Keep absl/orbax logging at warnings and errors unless the user passed --verbosity.
+  """Unless the user passed --verbosity: Python logging at warnings, absl's logger at errors.
 
   absl raises its default verbosity to INFO once flags are parsed, and orbax logs every array it
   reads or writes at INFO; orbax's own warnings (e.g. before it reports a corrupt checkpoint)
@@ -105,11 +105,11 @@ def quiet_logging() -> None:
     std_logging.getLogger("absl").setLevel(std_logging.ERROR)
 
 
-def test_point(phase: str) -> None:
+def interrupt_point(phase: str) -> None:
   """Test hook: send this process the signal that $JAXSPEC_TEST_SIGNAL names for `phase`.
 
   JAXSPEC_TEST_SIGNAL=PHASE sends SIGINT, PHASE:TERM sends SIGTERM, when the program reaches
-  `test_point(PHASE)`; so the tests interrupt a subprocess at an exact point instead of by timing.
+  `interrupt_point(PHASE)`; so the tests interrupt a subprocess at an exact point, not by timing.
   Unset, as in every normal run, it does nothing. Phases: "checkpoint-write" (orbax's threads are
   writing the params), "streamed" (generate has printed the first text).
   """

@@ -1,13 +1,17 @@
 """`python -m jaxspec.generate`: generate text with vanilla or speculative decoding.
 
-  python -m jaxspec.generate --prompt "Write a haiku about JAX" --chat
+  python -m jaxspec.generate --chat --prompt "Write a Python function that checks if a string is a palindrome."
   python -m jaxspec.generate --model=qwen2.5-coder-0.5b --prompt_file=prompts.txt --temperature=0.6
   python -m jaxspec.generate --method=vegas --gamma=6 --sparsity=0.07 --min_tokens=256 --prompt "..."
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=draft \
       --draft_model=qwen2.5-coder-0.5b --gamma=4 --prompt "..."
 
 Text goes to stdout (streamed per chunk of decode steps for a single prompt; for a batch, each
-completion is printed when it finishes), one stats line to stderr.
+completion is printed when it finishes), one stats line to stderr. Speculative methods are
+lossless: sampled text follows plain decoding's distribution, and greedy text equals plain greedy
+decoding exactly with --dtype=float32; in bfloat16 (the default) the verification pass rounds
+differently from a one-token step, so a greedy text can part from plain decoding's at a near-tie.
+Bad flags fail with one line before the model loads; Ctrl-C exits with status 130 and one line.
 """
 from __future__ import annotations
 
@@ -103,7 +107,7 @@ class TextStreamer:
         sys.stdout.flush()
         self.printed[0] = text
         self.open_line = bool(text)
-        cli.test_point("streamed")
+        cli.interrupt_point("streamed")
       elif done is not None and done[i] and not self.finished[i]:
         self.finished[i] = True
         sys.stdout.write(f"=== [{i}] ===\n{self.text(ids)}\n")

@@ -7,9 +7,10 @@ from jaxspec.cli import TEST_SIGNAL_ENV
 
 
 def run_module(module: str, *args: str, signal_at: str | None = None,
-               env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+               env: dict[str, str] | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
   """`python -m module args...`; signal_at="PHASE[:TERM]" makes it signal itself at that phase
-  (`jaxspec.cli.test_point`)."""
+  (`jaxspec.cli.interrupt_point`)."""
   env = {**os.environ, **(env or {})}
   if signal_at:
     env[TEST_SIGNAL_ENV] = signal_at

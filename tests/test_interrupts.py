@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM during fetch and generate: exit 128 + signal, one line, no traceback, nothing
 half-written left behind (convert's own interrupt tests are in test_weights.py, on a tiny model).
 
-The signal is sent by the program itself at a named phase (`jaxspec.cli.test_point`, driven by
+The signal is sent by the program itself at a named phase (`jaxspec.cli.interrupt_point`, driven by
 $JAXSPEC_TEST_SIGNAL), so each test hits its phase exactly instead of by timing.
 """
 from subproc import assert_clean_exit, run_module

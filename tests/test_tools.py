@@ -2,6 +2,10 @@
 and library logging (orbax's INFO line per array) stays quiet unless --verbosity asks for it."""
 import json
 import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +15,11 @@ from subproc import run_module
 BENCHMARKS = ["benchmarks.acceptance", "benchmarks.decode", "benchmarks.kernels",
               "benchmarks.sweep", "benchmarks.throughput"]
 INFO_LINE = re.compile(r"^I\d{4} ", re.M)   # absl's INFO prefix, e.g. 'I1123 14:02:11.5 ...'
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def readme_section(title: str) -> str:
+  return README.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def test_fetch_helpshort_lists_the_demo_models():
@@ -40,3 +49,31 @@ def test_verbosity_brings_library_logging_back(weights_smollm2_ckpt):
                    "--max_new_tokens=1", "--verbosity=0")
   assert res.returncode == 0, res.stderr[-2000:]
   assert INFO_LINE.search(res.stderr)
+
+
+def test_quick_start_answers_sensibly(weights_smollm2_ckpt):
+  # The README's first command, on the same default model (converted in a temp dir).
+  cmd = re.search(r"python -m jaxspec\.generate (.*)", readme_section("Quick start"))[1]
+  args = shlex.split(cmd)
+  assert not any(a.startswith("--model") for a in args)   # the default model
+  res = run_module("jaxspec.generate", *args, f"--model={weights_smollm2_ckpt}")
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert "def is_palindrome(s):" in res.stdout and "s == s[::-1]" in res.stdout, res.stdout
+
+
+def test_readme_python_example_stops_at_the_model_s_stop_tokens(weights_smollm2_ckpt):
+  code = re.search(r"```python\n(.*?)```", readme_section("Using the decode loops from JAX code"),
+                   re.S)[1]
+  code = code.replace('load_model("smollm2-135m"', f'load_model("{weights_smollm2_ckpt}"')
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert res.stdout.startswith("The capital of France is Paris. {")   # no <|im_end|><|im_start|>
+
+
+def test_lossless_is_qualified_where_claimed():
+  opening = README.split("## ", 1)[0]
+  assert "float32" in opening and "bfloat16" in opening
+  measured = readme_section("What lossless means here")
+  assert re.search(r"\d+(\.\d+)?% of vanilla's tokens came before the first difference", measured)
+  help_text = run_module("jaxspec.generate", "--helpshort").stdout
+  assert "float32" in help_text and "bfloat16" in help_text

@@ -152,7 +152,7 @@ def save(out: str | Path, cfg: ModelConfig, params: Mapping[str, Any], *,
     # they would go on writing into the temp dir after its cleanup.
     with cli.signals_deferred("the orbax write"), ocp.StandardCheckpointer() as ckptr:
       ckptr.save(tmp / PARAMS_DIR, nested(params))
-      cli.test_point("checkpoint-write")
+      cli.interrupt_point("checkpoint-write")
       ckptr.wait_until_finished()
     sizes = {str(f.relative_to(tmp)): f.stat().st_size
              for f in sorted((tmp / PARAMS_DIR).rglob("*")) if f.is_file()}
@@ -256,8 +256,8 @@ def _silence_orphaned_reads() -> Callable[[], None]:
   previous = sys.unraisablehook
 
   def hook(u):
-    closed_loop = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
-    if closed_loop or "_read_array_index_and_device_put" in getattr(u.object, "__qualname__", ""):
+    closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+    if closed or "_read_array_index_and_device_put" in getattr(u.object, "__qualname__", ""):
       return
     previous(u)
 
