@@ -162,9 +162,13 @@ class Runner:
                      drafter=drafter)
 
   def _check_context(self, max_len: int) -> None:
-    if self.draft_model is not None and max_len > self.draft_model.cfg.max_position_embeddings:
+    """The target's context is checked by `requests.check_request`; the draft model's here."""
+    if self.draft_model is None:
+      return
+    limit = requests.context_limit(self.draft_model.cfg)
+    if max_len > limit:
       raise ValueError(f"{max_len} tokens per sequence exceed the draft model's context "
-                       f"({self.draft_model.cfg.max_position_embeddings} positions)")
+                       f"({limit} positions)")
 
   # -- compiled pieces ---------------------------------------------------------------------------
 
