@@ -1,5 +1,7 @@
 """Continuous batching (`Runner.serve`, behind the throughput benchmarks): a request served in a slot that
 was refilled mid-stream must get exactly the tokens it gets when generated alone (greedy)."""
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,12 +28,20 @@ def prompts():
   return [rng.integers(0, CFG.vocab_size, n).tolist() for n in PROMPT_LENS]
 
 
+@pytest.fixture(scope="module")
+def draft_model():
+  return init_random(dataclasses.replace(CFG, num_layers=1, hidden_size=16, head_dim=4),
+                     dtype=jnp.float32, seed=8)
+
+
 @pytest.mark.parametrize("method, gamma, batch", [("none", 1, 3), ("vegas", 3, 3),
-                                                  ("streaming", 2, 2), ("vegas", 2, 1)])
-def test_every_request_gets_its_own_tokens(model, prompts, method, gamma, batch):
+                                                  ("streaming", 2, 2), ("vegas", 2, 1),
+                                                  ("draft", 2, 3)])
+def test_every_request_gets_its_own_tokens(model, draft_model, prompts, method, gamma, batch):
   capacity_len = max(PROMPT_LENS) + MAX_NEW
   runner = Runner(model, method=method, gamma=gamma, sampling=SamplingParams(), sparsity=0.2,
-                  min_tokens=4, backend="reference")
+                  min_tokens=4, backend="reference",
+                  draft_model=draft_model if method == "draft" else None)
   got = {}
 
   def on_finish(req, tokens):
