@@ -13,6 +13,10 @@
 #               BATCH the decode slots, default 128: the throughput goals' batch cap;
 #               SUFFIX is appended to the output file's name)
 #   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round
+#   draft       draft-model decoding, the 0.5B drafting for the 1.5B (both shipped and prepped:
+#               MODEL=0.5b prep, then MODEL=1.5b prep), against the 1.5B's vanilla and vegas in
+#               the same run; WORKLOAD short or long (default short), EOS honoured, sampled;
+#               METHODS / BATCH / WARMUP / MEASURE / SUFFIX as above
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 JAXSPEC_DATA=.data
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -65,6 +69,12 @@ for step in "$@"; do
       python3 -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4 \
         --context=131072 --methods=${METHODS:-none,streaming,vegas} --gammas=default=${GAMMA:-6} \
         --out=$OUT/throughput_scale.json 2>&1 | grep -v "^[IW]1" | grep "^{" ;;
+    draft)
+      python3 -m benchmarks.throughput --model=/tmp/ckpt/qwen2.5-coder-1.5b \
+        --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b --workload=${WORKLOAD:-short} \
+        --batch=${BATCH:-128} --methods=${METHODS:-none,vegas:6,draft:2,draft:3,draft:4} \
+        --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+        --out=$OUT/throughput_${WORKLOAD:-short}_draft${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
