@@ -5,6 +5,7 @@
   python -m jaxspec.generate --method=vegas --gamma=6 --sparsity=0.07 --min_tokens=256 --prompt "..."
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=draft \
       --draft_model=qwen2.5-coder-0.5b --gamma=4 --prompt "..."
+  python -m jaxspec.generate --method=vegas --tree=2,2,1,1 --prompt "..."   # a draft tree
 
 Text goes to stdout (streamed per chunk of decode steps for a single prompt; for a batch, each
 completion is printed when it finishes), one stats line to stderr. Speculative methods are
@@ -52,7 +53,13 @@ _METHOD = flags.DEFINE_enum("method", "none", list(METHODS),
                             "exactly in float32; in bfloat16 it can part at a near-tie)")
 _DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "method draft: the draft model (any --model "
                                    "spec with the same tokenizer), e.g. qwen2.5-coder-0.5b")
-_GAMMA = flags.DEFINE_integer("gamma", 6, "draft tokens per round (speculative methods)")
+_GAMMA = flags.DEFINE_integer("gamma", None, "draft tokens per round (speculative methods; "
+                              "default 6, with --tree its depth)")
+_TREE = flags.DEFINE_list("tree", None, "draft a tree of these widths per depth (e.g. 2,2,1,1: "
+                          "the root's 2 children, 2 each for them, then 1 and 1), verified in "
+                          "one pass; default: a chain of --gamma")
+_TREE_ORDER = flags.DEFINE_enum("tree_order", "bfs", ["bfs", "dfs"],
+                                "the order --tree's nodes are verified in")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "fraction of the KV cache drafts attend to")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas criticality scores")
@@ -129,6 +136,19 @@ class TextStreamer:
     sys.stdout.flush()
 
 
+def tree_widths() -> tuple[int, ...] | None:
+  """--tree as integers, checked against --method and --gamma (a one-line ValueError)."""
+  if _TREE.value is None:
+    return None
+  try:
+    widths = tuple(int(w) for w in _TREE.value)
+  except ValueError:
+    raise ValueError(f"--tree takes widths per depth such as 2,2,1,1, got "
+                     f"{','.join(_TREE.value)}") from None
+  requests.check_tree(widths, _TREE_ORDER.value, _METHOD.value, _GAMMA.value)
+  return widths
+
+
 def check_flags() -> SamplingParams:
   """Every check that needs no model, so that a bad flag fails before the model loads."""
   try:
@@ -136,8 +156,9 @@ def check_flags() -> SamplingParams:
     requests.check_count("--max_new_tokens", _MAX_NEW.value)
     if _MAX_LEN.value is not None:
       requests.check_count("--max_len", _MAX_LEN.value, minimum=2)
-    if _METHOD.value != "none":
+    if _METHOD.value != "none" and _GAMMA.value is not None:
       requests.check_count("--gamma", _GAMMA.value)
+    tree_widths()
     if _METHOD.value in policies.SELF_DRAFTING:
       policies.validate(_METHOD.value, ratio=_SPARSITY.value, min_tokens=_MIN_TOKENS.value,
                         score_kind=_SCORE.value)
@@ -180,7 +201,7 @@ def main(argv):
     runner = Runner(loaded.model, method=_METHOD.value, gamma=_GAMMA.value,
                     sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
                     draft_model=draft and draft.model, sampling=sampling, stop_ids=stop_ids,
-                    cache_dtype=dtype)
+                    cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value)
     outputs, stats = runner.generate(ids, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
                                      seed=_SEED.value, on_chunk=streamer)
   except ValueError as e:

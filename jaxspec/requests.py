@@ -127,3 +127,38 @@ def check_request(cfg: ModelConfig, prompts: Any, max_new_tokens: Any, max_len: 
   check_prompts(prompts, cfg.vocab_size)
   check_max_new_tokens(max_new_tokens, len(prompts))
   return check_context(max(len(p) for p in prompts), max_len, max_new_tokens, cfg)
+
+
+# Methods that draft one token per step by construction (quest picks pages per query token).
+_CHAIN_ONLY = ("quest",)
+MAX_TREE_NODES = 32   # the ancestor bitmask is one int32 per row
+
+
+def check_tree(tree: Any, order: str, method: str, gamma: Any):
+  """A draft tree (widths per depth, or a `drafting.trees.Tree`) for `method`, or None. One-line
+  ValueError for a tree on vanilla or a chain-only method, a gamma that is not the tree's depth,
+  more nodes than the kernels' bitmask holds, or bad widths / order."""
+  from jaxspec.drafting.trees import ORDERS, Tree
+  if tree is None:
+    return None
+  if method == "none":
+    raise ValueError("a draft tree needs a speculative method, not 'none'")
+  if method in _CHAIN_ONLY:
+    raise ValueError(f"method {method!r} drafts one token per step and cannot draft a tree")
+  if order not in ORDERS:
+    raise ValueError(f"tree order must be one of {', '.join(ORDERS)}, got {order!r}")
+  if not isinstance(tree, Tree):
+    if isinstance(tree, (str, bytes)) or not hasattr(tree, "__iter__"):
+      raise ValueError(f"tree must be widths per depth such as (2, 2, 1, 1), got {tree!r}")
+    tree = Tree.from_widths(tuple(tree), order)
+  else:
+    tree = tree.flatten(order)
+  if tree.depth == 0:
+    raise ValueError("a draft tree needs at least one depth (widths such as (2, 2, 1, 1))")
+  if tree.size > MAX_TREE_NODES:
+    raise ValueError(f"a draft tree holds at most {MAX_TREE_NODES} nodes (the attention kernels' "
+                     f"ancestor bitmask), got {tree.size}")
+  if gamma is not None and gamma != tree.depth:
+    raise ValueError(f"gamma {gamma} conflicts with the tree's depth {tree.depth}: with a tree, "
+                     "gamma is its depth")
+  return tree

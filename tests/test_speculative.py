@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.engine import rejection
+from jaxspec.engine import rejection, tree_acceptance
 from jaxspec.drafting import policies as selection
 from jaxspec.model.attention import Prefill
 from jaxspec.model.config import ModelConfig
@@ -235,6 +235,27 @@ def test_a_broken_sampler_fails_the_same_test(small, monkeypatch, method):
   monkeypatch.setattr(rejection, "residual_distribution", lambda p, q: p)
   samples, _ = sample_sequences(model, prompt, method, chunk=7, **kw)
   jax.clear_caches()                             # leave no compiled broken loop behind
+  assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) < 1e-6
+
+
+@pytest.mark.parametrize("method, widths", [("vegas", (2, 1, 1)), ("draft", (3, 2, 1))])
+def test_tree_sampling_is_plain_sampling(small, method, widths):
+  model, prompt, probs = small
+  kw = dict(draft_model=small_draft_model()) if method == "draft" else {}
+  samples, stats = sample_sequences(model, prompt, method, tree=widths, **kw)
+  assert stats.extra["acceptance_by_position"][0] < 0.97
+  assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) > 1e-3
+
+
+@pytest.mark.parametrize("method, widths", [("vegas", (2, 1, 1)), ("draft", (3, 2, 1))])
+def test_siblings_tried_against_the_unchanged_target_fail(small, monkeypatch, method, widths):
+  model, prompt, probs = small
+  kw = dict(draft_model=small_draft_model()) if method == "draft" else {}
+  # A rejected child leaves r as it was: the next sibling (and the correction) is tried against
+  # the target's distribution itself, not the residual the rejection left.
+  monkeypatch.setattr(tree_acceptance, "_sibling_residual", lambda r, q: r)
+  samples, _ = sample_sequences(model, prompt, method, chunk=7, tree=widths, **kw)
+  jax.clear_caches()
   assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) < 1e-6
 
 

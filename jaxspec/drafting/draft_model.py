@@ -19,11 +19,15 @@ Keeping the two in line without copies or host round-trips:
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from jaxspec.drafting import trees
 from jaxspec.drafting.chain import draft_chain
+from jaxspec.drafting.tree_draft import draft_tree
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.state import DecodeState, SpecState
 from jaxspec.model.attention import Dense, Prefill, ScoreSpec
@@ -62,12 +66,27 @@ class DraftModelDrafter:
     start = jnp.minimum(ds.cache.lengths, ds.cache.capacity - config.reserve)
     key, sub = jax.random.split(ds.key)
     first = jnp.stack([dm.prev_token, ds.last_token], axis=1)
-    cache, drafts, probs = draft_chain(draft, dm.cache.replace(lengths=start - 1), first, Dense(),
-                                       config.backend, config.gamma, sub, config.sampling)
+    cache = dm.cache.replace(lengths=start - 1)
+    if config.tree is None:
+      cache, drafts, probs = draft_chain(draft, cache, first, Dense(), config.backend,
+                                         config.gamma, sub, config.sampling)
+    else:
+      cache, drafts, probs = draft_tree(draft, cache, first, Dense(), config.backend, config.tree,
+                                        sub, config.sampling)
     state = state.replace(decode=ds.replace(key=key), drafter=dm.replace(cache=cache))
     return state, drafts, probs
 
   def update(self, state: SpecState, verified: jax.Array, scores: None, first_row: jax.Array,
-             accepted: jax.Array) -> SpecState:
+             accepted: jax.Array, last_node: jax.Array, config: RunConfig) -> SpecState:
     prev = jnp.take_along_axis(verified, accepted[:, None], axis=1)[:, 0]
-    return state.replace(drafter=state.drafter.replace(prev_token=prev))
+    dm = state.drafter.replace(prev_token=prev)
+    tree = config.tree
+    if tree is not None:   # the draft cache holds the tree breadth-first: compact that layout
+      bfs = tree.flatten("bfs")
+      to_bfs = np.empty(tree.size, np.int32)
+      to_bfs[tree.permutation("bfs")] = np.arange(tree.size)
+      last = jnp.asarray(to_bfs)[last_node]
+      dm = dm.replace(cache=dm.cache.replace(
+          k=trees.compact_layers(dm.cache.k, first_row, bfs, last),
+          v=trees.compact_layers(dm.cache.v, first_row, bfs, last)))
+    return state.replace(drafter=dm)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxspec.drafting.chain import draft_chain
 from jaxspec.drafting.policies import SelectionPolicy
+from jaxspec.drafting.tree_draft import draft_tree
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.state import DecodeState, SpecState
 from jaxspec.model.attention import Plan, ScoreSpec
@@ -43,21 +44,28 @@ class SelfDrafter:
 
   def draft(self, target: Transformer, draft: None, state: SpecState, config: RunConfig
             ) -> tuple[SpecState, jax.Array, jax.Array | None]:
-    """gamma draft steps of the target over the selection. Returns (state with the draft K/V
-    written and the key advanced, drafts [B, gamma], their distributions or None)."""
+    """gamma draft steps of the target over the selection (or the levels of `config.tree`).
+    Returns (state with the draft K/V written and the key advanced, drafts [B, gamma] (or
+    [B, T - 1] in the tree's order), their distributions or None)."""
     ds = state.decode
     # Active sequences always have gamma + 1 free slots (append_tokens' reserve); the clamp only
     # moves finished ones, whose cache no longer matters, so that every write and kernel stays in
     # bounds while they ride along.
     start = jnp.minimum(ds.cache.lengths, ds.cache.capacity - config.reserve)
     key, sub = jax.random.split(ds.key)
-    cache, drafts, probs = draft_chain(target, ds.cache.replace(lengths=start),
-                                       ds.last_token[:, None], state.drafter, config.backend,
-                                       config.gamma, sub, config.sampling)
+    cache = ds.cache.replace(lengths=start)
+    if config.tree is None:
+      cache, drafts, probs = draft_chain(target, cache, ds.last_token[:, None], state.drafter,
+                                         config.backend, config.gamma, sub, config.sampling)
+    else:
+      cache, drafts, probs = draft_tree(target, cache, ds.last_token[:, None], state.drafter,
+                                        config.backend, config.tree, sub, config.sampling)
     return state.replace(decode=ds.replace(cache=cache, key=key)), drafts, probs
 
   def update(self, state: SpecState, verified: jax.Array, scores: jax.Array | None,
-             first_row: jax.Array, accepted: jax.Array) -> SpecState:
-    """The policy's selection for the next round."""
+             first_row: jax.Array, accepted: jax.Array, last_node: jax.Array,
+             config: RunConfig) -> SpecState:
+    """The policy's selection for the next round (the verification already compacted a tree's
+    accepted path, so the policies see a chain's layout)."""
     return state.replace(drafter=self.policy.select_kv(state.decode.cache, scores, first_row,
                                                        accepted))

@@ -16,7 +16,9 @@ class RunConfig:
 
   capacity: cache slots per sequence; gamma: draft tokens per round (0 = vanilla decoding);
   drafter: what drafts them (a `jaxspec.drafting` drafter; None for vanilla); backend: the
-  attention implementation (`jaxspec.model.attention.BACKENDS`); cache_dtype: a dtype name.
+  attention implementation (`jaxspec.model.attention.BACKENDS`); cache_dtype: a dtype name;
+  tree: a draft tree (`jaxspec.drafting.trees.Tree`) verified in one pass instead of a chain, with
+  gamma its depth (the most drafts a round accepts); None drafts a chain of gamma.
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
@@ -25,6 +27,7 @@ class RunConfig:
   cache_dtype: str = "bfloat16"
   gamma: int = 0
   drafter: Any = None
+  tree: Any = None
 
   def __post_init__(self):
     check_backend(self.backend)
@@ -34,12 +37,20 @@ class RunConfig:
       raise ValueError("a speculative run needs both gamma >= 1 and a drafter; vanilla neither")
     if not isinstance(self.gamma, int) or self.gamma < 0:
       raise ValueError(f"gamma (draft tokens per round) must be an integer, got {self.gamma!r}")
+    if self.tree is not None and (self.drafter is None or self.gamma != self.tree.depth):
+      raise ValueError(f"a draft tree needs a drafter and gamma = its depth ({self.tree.depth}), "
+                       f"got gamma {self.gamma}")
 
   @property
   def speculative(self) -> bool:
     return self.drafter is not None
 
   @property
+  def verify_rows(self) -> int:
+    """Tokens one verification pass feeds: gamma + 1 for a chain, the tree's nodes for a tree."""
+    return self.gamma + 1 if self.tree is None else self.tree.size
+
+  @property
   def reserve(self) -> int:
-    """Free cache slots an active sequence needs for its next step (gamma + 1 to verify)."""
-    return self.gamma + 1
+    """Free cache slots an active sequence needs for its next step (the verification's rows)."""
+    return self.verify_rows

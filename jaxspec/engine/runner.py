@@ -37,6 +37,7 @@ from jaxspec import requests
 from jaxspec.drafting import policies
 from jaxspec.drafting.draft_model import DraftModelDrafter
 from jaxspec.drafting.self_drafting import SelfDrafter
+from jaxspec.drafting.trees import Tree
 from jaxspec.engine.batching import insert_slot
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.prefill import prefill
@@ -48,6 +49,7 @@ from jaxspec.model.attention import check_backend, default_backend
 from jaxspec.model.transformer import Transformer
 
 METHODS = ("none", "draft", *policies.SELF_DRAFTING)
+DEFAULT_GAMMA = 6
 
 
 @dataclasses.dataclass
@@ -103,14 +105,18 @@ class Runner:
   for the vegas family; draft_model: the drafter for method 'draft' (same vocabulary as the
   target); stop_ids: a sequence stops at its first stop id (kept in the output), None = the
   model's end-of-sequence ids, () = none; backend: 'reference', 'pallas' or 'interpret' (default:
-  pallas on a GPU). Bad arguments raise a one-line ValueError (`jaxspec.requests`).
+  pallas on a GPU); tree: draft a tree instead of a chain, given as widths per depth ((2, 2, 1, 1):
+  the root's 2 children, 2 each for them, then 1 and 1) or a `drafting.trees.Tree`, verified in
+  one pass in `tree_order` ('bfs' or 'dfs'); gamma is then the tree's depth (default 6 for a
+  chain). Bad arguments raise a one-line ValueError (`jaxspec.requests`).
   """
 
-  def __init__(self, model: Transformer, *, method: str = "none", gamma: int = 6,
+  def __init__(self, model: Transformer, *, method: str = "none", gamma: int | None = None,
                sparsity: float = 0.07, min_tokens: int = 256, score_kind: str = "logits",
                draft_model: Transformer | None = None, sampling: SamplingParams = SamplingParams(),
                stop_ids: Sequence[int] | None = None, cache_dtype=jnp.bfloat16,
-               backend: str | None = None):
+               backend: str | None = None, tree: Sequence[int] | Tree | None = None,
+               tree_order: str = "bfs"):
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "draft" and draft_model is None:
@@ -124,8 +130,14 @@ class Runner:
     if method in policies.SELF_DRAFTING:
       policies.validate(method, ratio=sparsity, min_tokens=min_tokens, score_kind=score_kind)
     self.method = method
-    self.gamma = 0 if method == "none" else requests.check_count("gamma (draft tokens per round)",
-                                                                 gamma)
+    self.tree = requests.check_tree(tree, tree_order, method, gamma)
+    if method == "none":
+      self.gamma = 0
+    elif self.tree is not None:
+      self.gamma = self.tree.depth
+    else:
+      self.gamma = requests.check_count("gamma (draft tokens per round)",
+                                        DEFAULT_GAMMA if gamma is None else gamma)
     self.sparsity, self.min_tokens, self.score_kind = sparsity, min_tokens, score_kind
     self.sampling = sampling
     self.stop_ids = requests.check_stop_ids(stop_ids, model.cfg)
@@ -144,8 +156,8 @@ class Runner:
 
   @property
   def spare(self) -> int:
-    """Cache slots past max_len that a step needs (gamma + 1 to verify)."""
-    return self.gamma + 1
+    """Cache slots past max_len that a step needs (the verification's rows)."""
+    return self.gamma + 1 if self.tree is None else self.tree.size
 
   def config(self, capacity: int) -> RunConfig:
     """The static run configuration for a cache of `capacity` slots per sequence."""
@@ -159,7 +171,7 @@ class Runner:
           score_kind=self.score_kind, backend=self.backend))
     return RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                      backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
-                     drafter=drafter)
+                     drafter=drafter, tree=self.tree)
 
   def _check_context(self, max_len: int) -> None:
     """The target's context is checked by `requests.check_request`; the draft model's here."""
@@ -398,7 +410,7 @@ class Runner:
         return verify(_merge(graphdefs, params)[0], state, drafts, probs, config)
 
       return (jax.jit(draft, donate_argnums=1), jax.jit(check, donate_argnums=1),
-              jax.jit(config.drafter.update, donate_argnums=0))
+              jax.jit(functools.partial(config.drafter.update, config=config), donate_argnums=0))
     return functools.lru_cache(maxsize=4)(fns)
 
   def time_phases(self, state: SpecState, *, rounds: int = 8, warmup: int = 2
@@ -428,10 +440,9 @@ class Runner:
       t0 = time.perf_counter()
       state, drafts, probs = jax.block_until_ready(draft_fn(self._params, state))
       t1 = time.perf_counter()
-      state, verified, scores, first_row, accepted = jax.block_until_ready(
-          verify_fn(self._params, state, drafts, probs))
+      state, *verdict = jax.block_until_ready(verify_fn(self._params, state, drafts, probs))
       t2 = time.perf_counter()
-      state = jax.block_until_ready(update_fn(state, verified, scores, first_row, accepted))
+      state = jax.block_until_ready(update_fn(state, *verdict))
       t3 = time.perf_counter()
       if r >= warmup:
         times["draft"] += t1 - t0
@@ -454,7 +465,7 @@ class Runner:
     requests.check_count("rounds", rounds)
     requests.check_count("warmup", warmup, 0)
     if max_new_tokens is None:
-      max_new_tokens = (warmup + rounds + 1) * (self.gamma + 1)
+      max_new_tokens = (warmup + rounds + 1) * self.spare
     state, _, _ = self.start(prompts, max_new_tokens, max_len=max_len, seed=seed)
     _, out = self.time_phases(state, rounds=rounds, warmup=warmup)
     return dict(out, method=self.method, batch=len(prompts))

@@ -30,22 +30,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.engine import rejection
+from jaxspec.drafting import trees
+from jaxspec.drafting.tree_draft import SIBLINGS
+from jaxspec.engine import rejection, tree_acceptance
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.state import SpecState, append_tokens
-from jaxspec.model.attention import Dense
+from jaxspec.model.attention import Dense, ScoreSpec
 from jaxspec.model.transformer import Transformer
 
 
 def verify(target: Transformer, state: SpecState, drafts: jax.Array,
            draft_probs: jax.Array | None, config: RunConfig
-           ) -> tuple[SpecState, jax.Array, jax.Array | None, jax.Array, jax.Array]:
+           ) -> tuple[SpecState, jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
   """Full-attention verification of [last_token, drafts] in one pass, accept/reject, append.
 
-  Returns (state with lengths moved and tokens appended, the verified tokens [B, gamma + 1],
-  the scores the drafter asked for, first_row [B] = the cache position of verification row 0,
-  accepted [B]).
+  Returns (state with lengths moved and tokens appended, the verified tokens along the accepted
+  path [B, gamma + 1] (root first; the chain's tokens are that path), the scores the drafter asked
+  for, first_row [B] = the cache position of verification row 0, accepted [B], last_node [B] =
+  the deepest accepted node's index in the verified order (= accepted for a chain)).
   """
+  if config.tree is not None:
+    return verify_tree(target, state, drafts, draft_probs, config)
   ds = state.decode
   start = ds.cache.lengths
   tokens = jnp.concatenate([ds.last_token[:, None], drafts], axis=1)          # [B, gamma + 1]
@@ -67,15 +72,69 @@ def verify(target: Transformer, state: SpecState, drafts: jax.Array,
   hist = state.accept_hist + (jax.nn.one_hot(verdict.accepted, config.gamma + 1, dtype=jnp.int32)
                               * active[:, None].astype(jnp.int32))
   state = state.replace(decode=ds, accept_hist=hist, rounds=state.rounds + 1)
-  return state, tokens, scores, start, verdict.accepted
+  return state, tokens, scores, start, verdict.accepted, verdict.accepted
+
+
+def tree_score_spec(spec: ScoreSpec | None, tree: trees.Tree) -> ScoreSpec | None:
+  """The verification scores of a tree round. Summed rows are counted along the main path (the
+  first child at every depth: the drafter's likeliest continuation, the chain a width-1 tree
+  would be), so Collect-2's (0, -1) collects the root (the chain's row 0, the last emitted token)
+  and the main path's leaf (the chain's last draft, whose row gives the bonus token). Per-row
+  scores stay per node."""
+  if spec is None or spec.rows is None or spec.per_row:
+    return spec
+  main = [0]
+  while tree.children[main[-1]]:
+    main.append(tree.children[main[-1]][0])
+  return ScoreSpec(spec.kind, rows=tuple(sorted({main[r] for r in spec.rows})), per_row=False)
+
+
+def verify_tree(target: Transformer, state: SpecState, drafts: jax.Array,
+                draft_probs: jax.Array | None, config: RunConfig):
+  """`verify` for a draft tree: the root and drafts [B, T - 1] (in the tree's order) at positions
+  lengths + depth under the tree mask, `tree_acceptance.verify_tree`, then the accepted path's
+  K/V compacted to the slots after the root (`trees.compact_layers`). Per-row scores come back
+  as the last accepted node's row [L, B, S], compacted the same way."""
+  tree = config.tree
+  ds = state.decode
+  start = ds.cache.lengths
+  tokens = jnp.concatenate([ds.last_token[:, None], drafts], axis=1)          # [B, T]
+  positions = start[:, None] + jnp.asarray(tree.depths)[None]
+  plan = Dense(scores=tree_score_spec(config.drafter.verify_scores, tree),
+               tree_bits=jnp.asarray(tree.ancestor_bits))
+  hidden, cache, scores = target(tokens, positions, ds.cache, plan, config.backend)
+  target_logits = target.logits(hidden)                                      # [B, T, V]
+  key, sub = jax.random.split(ds.key)
+  verdict = tree_acceptance.verify_tree(sub, tree, tokens, draft_probs, target_logits,
+                                        config.sampling, SIBLINGS)
+  last = verdict.last_node
+  cache = cache.replace(k=trees.compact_layers(cache.k, start, tree, last),
+                        v=trees.compact_layers(cache.v, start, tree, last))
+  active = ~ds.done
+  emitted = verdict.accepted + 1
+  cache = cache.replace(lengths=start + jnp.where(active, emitted, 0))
+  new = tree_acceptance.emitted_tokens(tree, tokens, verdict, pad=0)        # [B, depth + 1]
+  ds = append_tokens(ds.replace(cache=cache, key=key), new, emitted, config.stop_ids,
+                     reserve=config.reserve)
+  hist = state.accept_hist + (jax.nn.one_hot(verdict.accepted, config.gamma + 1, dtype=jnp.int32)
+                              * active[:, None].astype(jnp.int32))
+  state = state.replace(decode=ds, accept_hist=hist, rounds=state.rounds + 1)
+  path = jnp.maximum(trees.accepted_path(tree, last), 0)                    # [B, depth + 1]
+  verified = jnp.take_along_axis(tokens, path, axis=1)
+  if scores is not None and scores.ndim == 4:                                # per row [L,B,T,S]
+    row = jnp.take_along_axis(scores, last[None, :, None, None], axis=2)[:, :, 0]
+    row = trees.compact_layer(jnp.moveaxis(row, 0, -1), start, tree, last)   # [B, S, L]
+    scores = jnp.moveaxis(row, -1, 0)
+  return state, verified, scores, start, verdict.accepted, last
 
 
 def speculative_round(target: Transformer, draft: Transformer | None, state: SpecState,
                       config: RunConfig) -> SpecState:
   drafter = config.drafter
   state, drafts, draft_probs = drafter.draft(target, draft, state, config)
-  state, verified, scores, first_row, accepted = verify(target, state, drafts, draft_probs, config)
-  return drafter.update(state, verified, scores, first_row, accepted)
+  state, verified, scores, first_row, accepted, last_node = verify(target, state, drafts,
+                                                                   draft_probs, config)
+  return drafter.update(state, verified, scores, first_row, accepted, last_node, config)
 
 
 def speculative_chunk(target: Transformer, draft: Transformer | None, state: SpecState,
