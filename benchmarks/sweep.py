@@ -31,7 +31,7 @@ from absl import app, flags
 from benchmarks import workloads
 from benchmarks.common import (device_name, eos_label, eos_settings, git_commit,
                                repetition_summary, write_json)
-from jaxspec import cli
+from jaxspec import cli, requests
 from jaxspec.engine.runner import Runner
 from jaxspec.model.attention import default_backend
 from jaxspec.engine.sampling import SamplingParams
@@ -50,7 +50,9 @@ _ACC_BATCH = flags.DEFINE_integer("accept_batch", 16, "step 1: prompts per ratio
                                   "batch (64 x 32K-token prompts at once do not fit an H200)")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 512, "tokens per request")
 _PROMPT_MIN = flags.DEFINE_integer("prompt_min_tokens", 16384, "long and continuation workloads")
-_PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", 32768, "long and continuation workloads")
+_PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", None, "long and continuation workloads "
+                                   "(default 32768, or less so that it and --max_new_tokens fit "
+                                   "the model's context)")
 _REQUESTS = flags.DEFINE_integer("num_requests", 128, "requests in the stream")
 _WARMUP = flags.DEFINE_float("warmup_s", 5.0, "seconds before each throughput window")
 _MEASURE = flags.DEFINE_float("measure_s", 15.0, "seconds per throughput window")
@@ -107,16 +109,19 @@ def main(argv):
   prog, ignore_eos = "benchmarks.sweep", _IGNORE_EOS.value
   if _WORKLOAD.value in ("long", "continuation"):   # before the model loads
     try:
-      workloads.check_prompt_range(_PROMPT_MIN.value, _PROMPT_MAX.value,
+      workloads.check_prompt_range(_PROMPT_MIN.value,
+                                   _PROMPT_MAX.value or workloads.PASSAGE_MAX,
                                    workloads.LONG_ROOM if _WORKLOAD.value == "long" else 0)
     except ValueError as e:
       cli.fail(prog, str(e))
   backend = default_backend()
   loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
   try:
+    prompt_max = workloads.prompt_max_tokens(
+        _PROMPT_MAX.value, requests.context_limit(loaded.model.cfg), _MAX_NEW.value)
     prompts = workloads.build(_WORKLOAD.value, loaded.tokenizer, _REQUESTS.value,
-                              _PROMPT_MIN.value, _PROMPT_MAX.value)
-  except ValueError as e:   # a book too short for the asked passages
+                              _PROMPT_MIN.value, prompt_max)
+  except ValueError as e:   # passages longer than the context, or than the book
     cli.fail(prog, str(e))
   stop_ids = () if ignore_eos else loaded.stop_ids
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)

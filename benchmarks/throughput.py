@@ -54,7 +54,7 @@ from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, filled_state,
                                git_commit, kernel_table, load, repetition_summary, time_fn,
                                write_json)
-from jaxspec import cli
+from jaxspec import cli, requests
 from jaxspec.drafting.draft_model import DraftModelState
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams
@@ -83,8 +83,9 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "per request (default 40
                                 "long and continuation)")
 _PROMPT_MIN = flags.DEFINE_integer("prompt_min_tokens", 16384, "long and continuation workloads: "
                                    "shortest prompt")
-_PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", 32768, "long and continuation workloads: "
-                                   "longest prompt")
+_PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", None, "long and continuation workloads: "
+                                   "longest prompt (default 32768, or less so that it and "
+                                   "--max_new_tokens fit the model's context)")
 _CONTEXT = flags.DEFINE_integer("context", 131072, "scale workload: tokens in the cache")
 _REQUESTS = flags.DEFINE_integer("num_requests", 512, "requests in the stream (cycled data)")
 _WARMUP = flags.DEFINE_float("warmup_s", 20.0, "seconds before measuring (compile excluded)")
@@ -281,7 +282,8 @@ def main(argv):
   workload, ignore_eos = _WORKLOAD.value, _IGNORE_EOS.value
   if workload in ("long", "continuation"):   # before the model loads
     try:
-      workloads.check_prompt_range(_PROMPT_MIN.value, _PROMPT_MAX.value,
+      workloads.check_prompt_range(_PROMPT_MIN.value,
+                                   _PROMPT_MAX.value or workloads.PASSAGE_MAX,
                                    workloads.LONG_ROOM if workload == "long" else 0)
     except ValueError as e:
       cli.fail(prog, str(e))
@@ -313,9 +315,11 @@ def main(argv):
     draft_model = draft.model
   max_new = _MAX_NEW.value or DEFAULT_MAX_NEW[workload]
   try:
+    contexts = [requests.context_limit(m.cfg) for m in (loaded.model, draft_model) if m]
+    prompt_max = workloads.prompt_max_tokens(_PROMPT_MAX.value, min(contexts), max_new)
     prompts = workloads.build(workload, loaded.tokenizer, _REQUESTS.value, _PROMPT_MIN.value,
-                              _PROMPT_MAX.value, _SEED.value)
-  except ValueError as e:   # a book too short for the asked passages
+                              prompt_max, _SEED.value)
+  except ValueError as e:   # passages longer than the context, or than the book
     cli.fail(prog, str(e))
   stop_ids = () if ignore_eos else loaded.stop_ids
   header.update(eos_settings(ignore_eos, loaded.stop_ids), max_new_tokens=max_new,

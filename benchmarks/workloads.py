@@ -133,6 +133,22 @@ def continuation_prompts(tokenizer, n: int, min_tokens: int = 16384, max_tokens:
   return prompts
 
 
+PASSAGE_MAX = 32768   # the longest passage by default: 32K, or what the model's context leaves
+
+
+def prompt_max_tokens(requested: int | None, context: int, max_new: int) -> int:
+  """The longest prompt of a long-input workload: `requested`, or by default PASSAGE_MAX capped so
+  that prompt + max_new fits the model's context. One-line ValueError when a requested length
+  does not fit (a 32K passage plus 1024 new tokens does not fit Qwen2.5-Coder's 32768)."""
+  room = context - max_new
+  if requested is None:
+    return min(PASSAGE_MAX, room)
+  if requested > room:
+    raise ValueError(f"--prompt_max_tokens {requested} plus {max_new} new tokens exceed the "
+                     f"model's context of {context} tokens (at most {room})")
+  return requested
+
+
 def build(workload: str, tokenizer, n: int, min_tokens: int = 16384, max_tokens: int = 32768,
           seed: int = 0) -> list[list[int]]:
   """The n prompts of `workload` (one of WORKLOADS); min/max_tokens: long and continuation."""

@@ -118,6 +118,16 @@ def test_check_prompt_range():
 
 # -- EOS: honoured by default, --ignore_eos marked everywhere -------------------------------------
 
+def test_the_longest_prompt_fits_the_model_s_context():
+  # Qwen2.5-Coder: 32768 positions, so a 32K passage and 1024 new tokens do not fit.
+  assert workloads.prompt_max_tokens(None, 32768, 1024) == 31744
+  assert workloads.prompt_max_tokens(None, 131072, 1024) == workloads.PASSAGE_MAX
+  assert workloads.prompt_max_tokens(20000, 32768, 1024) == 20000
+  with pytest.raises(ValueError, match="32768 plus 1024 new tokens exceed the model's context of "
+                                       "32768 tokens \\(at most 31744\\)"):
+    workloads.prompt_max_tokens(32768, 32768, 1024)
+
+
 def test_eos_label_and_settings():
   assert eos_label("vegas:6", True) == "vegas:6 (ignore_eos)"
   assert eos_label("vegas:6", False) == "vegas:6"
