@@ -4,8 +4,12 @@
   python -m benchmarks.acceptance --num_prompts=4 --max_new_tokens=128 --methods=vegas,streaming
 
 For each method: mean accepted tokens per round (the accepted drafts plus the corrected/bonus
-token, so gamma + 1 at best) and the acceptance probability by draft position
-(P(draft i accepted | drafts 1..i-1 accepted)). Prompts are AIME25 problems in the model's chat
+token, so gamma + 1 at best), the acceptance probability by draft position
+(P(draft i accepted | drafts 1..i-1 accepted)) and, beside them, the mean share of distinct
+4-grams in the outputs (`benchmarks.common.distinct_ngram_share`: text stuck in a loop drafts
+well and scores low). Generation stops at the model's EOS; sampling defaults to the paper's
+settings (temperature 0.6, top-p 0.95, top-k 20; SmolLM2-Instruct's model card suggests
+--temperature=0.2 --top_p=0.9 --top_k=0). Prompts are AIME25 problems in the model's chat
 template. Results go to --out as JSON, rewritten after every method, and a markdown table to stdout.
 With --profile_rounds=N each method is also timed phase by phase (`Runner.profile_rounds`).
 With --temperature=0 (greedy) vanilla decoding runs too and each method's agreement with it is
@@ -25,7 +29,8 @@ import time
 import jax.numpy as jnp
 from absl import app, flags
 
-from benchmarks.common import device_name, git_commit, write_json
+from benchmarks.common import (device_name, eos_settings, git_commit, repetition_summary,
+                               write_json)
 from jaxspec import cli
 from jaxspec.engine.runner import METHODS, Runner
 from jaxspec.engine.sampling import SamplingParams
@@ -44,11 +49,10 @@ _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "sparsity ratio")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 16, "KV budget floor (small, so the ratio binds "
                                    "at AIME's short contexts)")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas score kind")
-# SmolLM2-Instruct's model card samples with temperature 0.2, top-p 0.9 (the paper uses each
-# model's recommended settings).
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.2, "0 = greedy")
-_TOP_P = flags.DEFINE_float("top_p", 0.9, "1 = off")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off")
+# The paper's settings (Qwen3's recommended ones), as every benchmark samples by default.
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "0 = greedy")
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "1 = off")
+_TOP_K = flags.DEFINE_integer("top_k", 20, "0 = off")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and cache")
 _CHUNK = flags.DEFINE_integer("chunk_rounds", 32, "rounds per compiled call")
@@ -84,14 +88,16 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
 
 def table(results: list[dict], gamma: int) -> str:
   greedy = "agreement_with_vanilla" in results[0]
-  head = ("| method | mean accepted tokens / round | "
+  head = ("| method | mean accepted tokens / round | distinct 4-gram share | "
           + " | ".join(f"p{i}" for i in range(1, gamma + 1)) + " | rounds | new tokens |"
           + (" agreement with vanilla |" if greedy else ""))
-  rule = "|---|---|" + "---|" * gamma + "---|---|" + ("---|" if greedy else "")
+  rule = "|---|---|---|" + "---|" * gamma + "---|---|" + ("---|" if greedy else "")
   rows = [head, rule]
   for r in results:
     pos = " | ".join(f"{p:.3f}" for p in r["acceptance_by_position"])
-    rows.append(f"| {r['method']} | {r['mean_accepted_tokens']:.2f} | {pos} | {r['verify_rounds']} "
+    share = r.get("distinct_4gram_share_mean")
+    rows.append(f"| {r['method']} | {r['mean_accepted_tokens']:.2f} | "
+                f"{'-' if share is None else f'{share:.3f}'} | {pos} | {r['verify_rounds']} "
                 f"| {r['new_tokens']} |"
                 + (f" {r['agreement_with_vanilla']:.3f} |" if greedy else ""))
   return "\n".join(rows)
@@ -115,7 +121,8 @@ def main(argv):
                   prompt_tokens=[len(p) for p in prompts], max_new_tokens=_MAX_NEW.value,
                   gamma=_GAMMA.value, sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value,
                   score=_SCORE.value, sampling=dataclasses.asdict(sampling),
-                  seed=_SEED.value, device=device_name(), commit=git_commit(),
+                  seed=_SEED.value, **eos_settings(False, stop_ids),
+                  device=device_name(), commit=git_commit(),
                   date=datetime.date.today().isoformat())
   print(f"{device_name()} | {_MODEL.value} {_DTYPE.value} | {len(prompts)} prompts of "
         f"{min(settings['prompt_tokens'])}-{max(settings['prompt_tokens'])} tokens | "
@@ -139,6 +146,7 @@ def main(argv):
     row = dict(stats.extra, new_tokens=stats.new_tokens, rounds=stats.rounds,
                prefill_s=stats.prefill_s, decode_s=stats.decode_s, decode_tokens_per_s=stats.decode_tokens_per_s,
                wall_s=time.perf_counter() - t0)
+    row.update(repetition_summary(dict(enumerate(outputs)), stop_ids))
     if vanilla is not None:
       row["agreement_with_vanilla"] = agreement(outputs, vanilla)
       row["identical_sequences"] = sum(a == b for a, b in zip(outputs, vanilla))
@@ -146,8 +154,8 @@ def main(argv):
       row["profile"] = runner.profile_rounds(prompts, rounds=_PROFILE.value, seed=_SEED.value)
     results.append(row)
     print(f"{method}: {row['mean_accepted_tokens']:.3f} tokens/round, by position "
-          f"{[round(p, 3) for p in row['acceptance_by_position']]} ({row['wall_s']:.0f} s)",
-          file=sys.stderr)
+          f"{[round(p, 3) for p in row['acceptance_by_position']]}, distinct 4-gram share "
+          f"{row['distinct_4gram_share_mean']} ({row['wall_s']:.0f} s)", file=sys.stderr)
     write_json(_OUT.value, {"settings": settings, "results": results})
   print(table(results, _GAMMA.value))
 

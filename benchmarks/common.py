@@ -1,4 +1,7 @@
-"""Shared benchmark plumbing: model shapes for random-weight runs, copy bandwidth, JSON output."""
+"""Shared benchmark plumbing: model shapes for random-weight runs, copy bandwidth, JSON output, and
+what every real-weight run reports beside its speed: whether end-of-sequence tokens were honoured
+(`eos_settings`, `eos_label`) and how repetitive the generated text is (`distinct_ngram_share`,
+`repetition_summary`), so that degenerate text shows next to acceptance."""
 from __future__ import annotations
 
 import collections
@@ -10,7 +13,7 @@ import tempfile
 import statistics
 import subprocess
 import time
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -188,3 +191,65 @@ def filled_state(cfg, batch: int, context: int, capacity: int, steps_total: int,
                      num_new=jnp.zeros((batch,), jnp.int32),
                      max_new=jnp.full((batch,), steps_total + 1, jnp.int32),
                      done=jnp.zeros((batch,), bool), key=jax.random.PRNGKey(seed))
+
+
+# -- honest-workload reporting ---------------------------------------------------------------------
+
+IGNORE_EOS_TAG = "(ignore_eos)"
+
+
+def eos_label(label: str, ignore_eos: bool) -> str:
+  """`label` marked ' (ignore_eos)' for a run that ignored end-of-sequence tokens: such a run is
+  a stress mode (every request runs to max_new_tokens), and its labels, JSON and plot titles say
+  so."""
+  return f"{label} {IGNORE_EOS_TAG}" if ignore_eos else label
+
+
+def eos_settings(ignore_eos: bool, stop_ids: Sequence[int]) -> dict:
+  """The JSON fields that say how a run treated end-of-sequence tokens."""
+  if ignore_eos:
+    return dict(ignore_eos=True, stop_ids=[],
+                eos="ignored (--ignore_eos stress mode: every request runs to max_new_tokens)")
+  return dict(ignore_eos=False, stop_ids=[int(t) for t in stop_ids],
+              eos="honoured (a request stops at its first stop id)")
+
+
+def distinct_ngram_share(tokens: Sequence[int], n: int = 4) -> float | None:
+  """Distinct n-grams / all n-grams of one output: 1.0 when no n-gram repeats, near 0 for text
+  stuck in a loop (a 3-token cycle of length L: 3 / (L - 3)). None for an output shorter than n
+  tokens, which has no n-gram (averages leave it out rather than count it as perfectly varied)."""
+  if n < 1:
+    raise ValueError(f"n must be at least 1, got {n}")
+  tokens = [int(t) for t in tokens]
+  total = len(tokens) - n + 1
+  if total < 1:
+    return None
+  return len({tuple(tokens[i:i + n]) for i in range(total)}) / total
+
+
+def repetition_summary(outputs: Mapping[int, Sequence[int]], stop_ids: Sequence[int] = (),
+                       n: int = 4) -> dict:
+  """Per-request and mean repetition of `outputs` (request index -> its new tokens).
+
+  distinct_{n}gram_share_mean / _min: over the requests with at least n tokens
+  (`distinct_ngram_share`); repetition_requests: how many those are; stopped_share: the share of
+  outputs that end at a stop id (the rest ran to their token budget); mean_new_tokens; and
+  per_request: [request, new tokens, share, stopped] for each, by request index. Empty outputs
+  give None for the means."""
+  key = f"distinct_{n}gram_share"
+  stops = {int(t) for t in stop_ids}
+  per_request, shares = [], []
+  for req in sorted(outputs):
+    toks = list(outputs[req])
+    share = distinct_ngram_share(toks, n)
+    stopped = bool(toks) and int(toks[-1]) in stops
+    per_request.append([int(req), len(toks), None if share is None else round(share, 4), stopped])
+    if share is not None:
+      shares.append(share)
+  count = len(per_request)
+  return {f"{key}_mean": sum(shares) / len(shares) if shares else None,
+          f"{key}_min": min(shares) if shares else None,
+          "repetition_requests": len(shares),
+          "stopped_share": sum(r[3] for r in per_request) / count if count else None,
+          "mean_new_tokens": sum(r[1] for r in per_request) / count if count else None,
+          "per_request": per_request}

@@ -3,11 +3,31 @@
   python -m benchmarks.throughput --model=qwen2.5-coder-0.5b --workload=short --batch=64 \
       --methods=none,streaming,quest,specextend,vegas-all,vegas --gammas=vegas=6,default=4
   python -m benchmarks.throughput --model=qwen2.5-coder-0.5b --workload=long --batch=16
+  python -m benchmarks.throughput --model=qwen2.5-coder-0.5b --workload=continuation --batch=16
   python -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4
 
-Workloads: `short` (AIME25 + GSM8K with the chat template, --max_new_tokens 4096), `long` (16K-32K
-token Frankenstein passages + a question, --max_new_tokens 1024), `scale` (random weights, a cache
-filled to --context tokens: time per step / round only; acceptance means nothing on random weights).
+Workloads (`benchmarks.workloads`):
+  short         AIME25 + GSM8K with the chat template, --max_new_tokens 4096 (short input, long
+                output);
+  long          16K-32K-token Frankenstein passages + a question, with the chat template,
+                --max_new_tokens 1024;
+  continuation  16K-32K-token Frankenstein passages as plain text (no chat template, no
+                question), continued for --max_new_tokens 1024: the long-input workload of
+                MagicDec and TriForce (PG-19);
+  scale         random weights, a cache filled to --context tokens: time per step / round only
+                (acceptance and repetition mean nothing on random weights).
+--prompt_min_tokens / --prompt_max_tokens set the passage lengths of long and continuation; a book
+too short for them, or min > max, is a one-line error.
+
+Honest by default: requests stop at the model's end-of-sequence tokens, and sampling follows the
+paper (temperature 0.6, top-p 0.95, top-k 20). --ignore_eos is a stress mode (every request runs
+to max_new_tokens, keeping contexts long when the model would stop early); a run made with it
+says so in every label ("vegas:6 (ignore_eos)"), in the JSON (top-level `ignore_eos`, `eos`) and
+in the plot's title. Beside acceptance every method reports how repetitive its text is: the share
+of distinct 4-grams in each finished request's output (`benchmarks.common.distinct_ngram_share`;
+every request that finished during the run, warm-up included), its mean and minimum over
+requests, and the share of requests that ended at EOS, so degenerate text (a loop that drafts
+well) shows.
 
 For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
 boundary (every --chunk_rounds rounds) its slot is refilled with the next request (prefill of one
@@ -31,9 +51,10 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks import workloads
-from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit,
-                               kernel_table, load, time_fn, write_json)
-from jaxspec import cli
+from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, filled_state,
+                               git_commit, kernel_table, load, repetition_summary, time_fn,
+                               write_json)
+from jaxspec import cli, requests
 from jaxspec.drafting.draft_model import DraftModelState
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams
@@ -41,10 +62,13 @@ from jaxspec.engine.state import SpecState, capacity_for
 from jaxspec.io.loading import check_draft_pair
 from jaxspec.model.attention import default_backend
 
+WORKLOADS = [*workloads.WORKLOADS, "scale"]
+DEFAULT_MAX_NEW = {"short": 4096, "long": 1024, "continuation": 1024}
+
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
 _DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "method 'draft': the draft model (a jaxspec "
                                    "model spec sharing --model's tokenizer, or random:<shape>)")
-_WORKLOAD = flags.DEFINE_enum("workload", "short", ["short", "long", "scale"], "see module doc")
+_WORKLOAD = flags.DEFINE_enum("workload", "short", WORKLOADS, "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
                                          "vegas"],
                              "methods to run, in order; method@ratio overrides --sparsity, "
@@ -55,9 +79,13 @@ _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "KV ratio for drafting")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
 _BATCH = flags.DEFINE_integer("batch", 64, "decode slots")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "per request (default 4096 short, 1024 long)")
-_PROMPT_MIN = flags.DEFINE_integer("prompt_min_tokens", 16384, "long workload: shortest passage")
-_PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", 32768, "long workload: longest passage")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "per request (default 4096 short, 1024 "
+                                "long and continuation)")
+_PROMPT_MIN = flags.DEFINE_integer("prompt_min_tokens", 16384, "long and continuation workloads: "
+                                   "shortest prompt")
+_PROMPT_MAX = flags.DEFINE_integer("prompt_max_tokens", None, "long and continuation workloads: "
+                                   "longest prompt (default 32768, or less so that it and "
+                                   "--max_new_tokens fit the model's context)")
 _CONTEXT = flags.DEFINE_integer("context", 131072, "scale workload: tokens in the cache")
 _REQUESTS = flags.DEFINE_integer("num_requests", 512, "requests in the stream (cycled data)")
 _WARMUP = flags.DEFINE_float("warmup_s", 20.0, "seconds before measuring (compile excluded)")
@@ -67,8 +95,9 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling (the paper's Qwe
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "")
 _TOP_K = flags.DEFINE_integer("top_k", 20, "")
 _SEED = flags.DEFINE_integer("seed", 0, "")
-_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "generate max_new_tokens for every request "
-                                 "(steady long contexts when the model would stop early)")
+_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "stress mode: generate max_new_tokens for "
+                                "every request (steady long contexts when the model would stop "
+                                "early); labels, JSON and plot title say so")
 _STAGGER = flags.DEFINE_bool("stagger", True, "the first B requests stop after max_new * (i + 1) "
                              "/ B tokens, so slots finish spread out as in a long-running server "
                              "(not all at once, then B refills in a row)")
@@ -76,7 +105,8 @@ _TRACE = flags.DEFINE_bool("trace", False, "scale workload: GPU time per kernel 
                            "(jax.profiler) in the JSON")
 _PROFILE = flags.DEFINE_bool("profile", True, "measure phase time shares (speculative methods)")
 _PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existing JSON and exit")
-_OUT = flags.DEFINE_string("out", None, "JSON path (default benchmarks/out/throughput_<workload>.json)")
+_OUT = flags.DEFINE_string("out", None,
+                           "JSON path (default benchmarks/out/throughput_<workload>.json)")
 
 
 def parse_entry(entry: str) -> tuple[str, float, int]:
@@ -165,30 +195,80 @@ def scale_run(model, draft_model, methods, batch: int, context: int, sampling: S
   return rows
 
 
+def ignored_eos(payload: dict) -> bool:
+  """Whether a run's JSON was made with --ignore_eos (JSON written before the `ignore_eos` field
+  existed: from its command line)."""
+  if "ignore_eos" in payload:
+    return bool(payload["ignore_eos"])
+  given = ("--ignore_eos", "--ignore_eos=true", "--ignore_eos=True", "--ignore_eos=1")
+  return any(arg in given for arg in payload.get("argv", "").split())
+
+
+def row_label(row: dict, ignore_eos: bool) -> str:
+  return row.get("label") or eos_label(row["method"], ignore_eos)
+
+
+def plot_title(payload: dict) -> str:
+  title = f"{payload['workload']}, B={payload['batch']}, {payload['device']}"
+  return (eos_label(title, ignored_eos(payload))
+          + "\nlabels: accepted tokens / round; distinct 4-gram share")
+
+
 def plot(payload: dict, png_path: str) -> None:
-  """Bars per method: tokens/s with refills and decode-only, with accepted tokens per round."""
+  """Bars per method: tokens/s with refills and decode-only, labelled with accepted tokens per
+  round and the mean distinct-4-gram share."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   rows = [r for r in payload["rows"] if r.get("tokens_per_s")]
   if not rows:
     return
-  names = [r["method"] for r in rows]
+  ignore = ignored_eos(payload)
+  names = [row_label(r, ignore) for r in rows]
   x = range(len(rows))
   fig, ax = plt.subplots(figsize=(1.6 + 1.0 * len(rows), 3.4))
   ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], 0.4, label="with refills")
   ax.bar([i + 0.2 for i in x], [r["decode_only_tokens_per_s"] for r in rows], 0.4,
          label="decode only")
   for i, r in zip(x, rows):
-    ax.text(i + 0.2, r["decode_only_tokens_per_s"], f"{r.get('mean_accepted_tokens', 1.0):.2f}",
-            ha="center", va="bottom", fontsize=8)
+    share = r.get("distinct_4gram_share_mean")
+    text = f"{r.get('mean_accepted_tokens', 1.0):.2f}" + ("" if share is None else f"\n{share:.2f}")
+    ax.text(i + 0.2, r["decode_only_tokens_per_s"], text, ha="center", va="bottom", fontsize=7)
   ax.set_xticks(list(x), names, rotation=20, fontsize=8)
   ax.set_ylabel("tokens / s")
-  ax.set_title(f"{payload['workload']}, B={payload['batch']}, {payload['device']} "
-               "(labels: accepted tokens / round)", fontsize=8)
+  ax.set_title(plot_title(payload), fontsize=8)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(png_path, dpi=100)
+
+
+def summary_table(rows: list[dict], ignore_eos: bool) -> str:
+  """The closing table: speed against method 'none', acceptance beside the repetition measures
+  (mean distinct-4-gram share, share of requests that ended at EOS), phase shares."""
+  base = next((r for r in rows if r.get("method") == "none" and r.get("tokens_per_s")), None)
+  width = max([12] + [len(row_label(r, ignore_eos)) for r in rows])
+  lines = [f"{'method':<{width}} {'g':>2} {'tok/s':>8} {'x none':>6} {'decode tok/s':>12} "
+           f"{'x none':>6} {'acc/round':>9} {'distinct4':>9} {'eos':>5} {'draft':>5} "
+           f"{'verify':>6} {'select':>6}"]
+  for r in rows:
+    label = row_label(r, ignore_eos)
+    if "error" in r or r.get("tokens_per_s") is None:
+      lines.append(f"{label:<{width}} "
+                   f"{r.get('error', 'nothing measured (stream ran out in warm-up)')[:80]}")
+      continue
+    ph = r.get("phases", {})
+    x = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+    xd = (r["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"] if base
+          else float("nan"))
+    share, stopped = r.get("distinct_4gram_share_mean"), r.get("stopped_share")
+    lines.append(
+        f"{label:<{width}} {r['gamma'] if r['method'] != 'none' else '-':>2} "
+        f"{r['tokens_per_s']:>8.0f} {x:>6.2f} {r['decode_only_tokens_per_s']:>12.0f} {xd:>6.2f} "
+        f"{r.get('mean_accepted_tokens', 1.0):>9.2f} "
+        f"{'-' if share is None else f'{share:.3f}':>9} "
+        f"{'-' if stopped is None else f'{stopped:.2f}':>5} {ph.get('draft_share', 0):>5.2f} "
+        f"{ph.get('verify_share', 0):>6.2f} {ph.get('select_share', 0):>6.2f}")
+  return "\n".join(lines)
 
 
 def main(argv):
@@ -198,17 +278,30 @@ def main(argv):
     with open(_PLOT_ONLY.value) as f:
       plot(json.load(f), _PLOT_ONLY.value.removesuffix(".json") + ".png")
     return
+  prog = "benchmarks.throughput"
+  workload, ignore_eos = _WORKLOAD.value, _IGNORE_EOS.value
+  if workload in ("long", "continuation"):   # before the model loads
+    try:
+      workloads.check_prompt_range(_PROMPT_MIN.value,
+                                   _PROMPT_MAX.value or workloads.PASSAGE_MAX,
+                                   workloads.LONG_ROOM if workload == "long" else 0)
+    except ValueError as e:
+      cli.fail(prog, str(e))
   backend = default_backend()
-  out_path = _OUT.value or f"benchmarks/out/throughput_{_WORKLOAD.value}.json"
+  out_path = _OUT.value or f"benchmarks/out/throughput_{workload}.json"
+  sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   header = dict(device=device_name(), commit=git_commit(), model=_MODEL.value,
-                workload=_WORKLOAD.value, batch=_BATCH.value, sparsity=_SPARSITY.value,
-                min_tokens=_MIN_TOKENS.value, backend=backend, argv=" ".join(sys.argv))
-  if _WORKLOAD.value == "scale":
+                workload=workload, batch=_BATCH.value, sparsity=_SPARSITY.value,
+                min_tokens=_MIN_TOKENS.value, backend=backend,
+                sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=sampling.top_k, seed=_SEED.value),
+                argv=" ".join(sys.argv))
+  if workload == "scale":
     model, _ = load(_MODEL.value)
     draft_model = load(_DRAFT_MODEL.value)[0] if _DRAFT_MODEL.value else None
     bw, rates_gbps = copy_ceiling()
-    header.update(copy_gbps=bw / 1e9, copy_rates_gbps=rates_gbps)
-    sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    header.update(copy_gbps=bw / 1e9, copy_rates_gbps=rates_gbps,
+                  eos="not applicable: random weights, a fixed number of steps per call")
     rows = scale_run(model, draft_model, _METHODS.value, _BATCH.value, _CONTEXT.value, sampling,
                      backend)
     write_json(out_path, dict(header, rows=rows))
@@ -220,53 +313,43 @@ def main(argv):
     draft = load_model(_DRAFT_MODEL.value, dtype=jnp.bfloat16)
     check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
     draft_model = draft.model
-  tok = loaded.tokenizer
-  if _WORKLOAD.value == "short":
-    max_new = _MAX_NEW.value or 4096
-    prompts = workloads.short_prompts(tok, _REQUESTS.value, _SEED.value)
-  else:
-    max_new = _MAX_NEW.value or 1024
-    prompts = workloads.long_prompts(tok, _REQUESTS.value, _PROMPT_MIN.value, _PROMPT_MAX.value,
-                                     _SEED.value)
-  stop_ids = loaded.stop_ids
-  if _IGNORE_EOS.value:
-    stop_ids = ()
-  sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+  max_new = _MAX_NEW.value or DEFAULT_MAX_NEW[workload]
+  try:
+    contexts = [requests.context_limit(m.cfg) for m in (loaded.model, draft_model) if m]
+    prompt_max = workloads.prompt_max_tokens(_PROMPT_MAX.value, min(contexts), max_new)
+    prompts = workloads.build(workload, loaded.tokenizer, _REQUESTS.value, _PROMPT_MIN.value,
+                              prompt_max, _SEED.value)
+  except ValueError as e:   # passages longer than the context, or than the book
+    cli.fail(prog, str(e))
+  stop_ids = () if ignore_eos else loaded.stop_ids
+  header.update(eos_settings(ignore_eos, loaded.stop_ids), max_new_tokens=max_new,
+                prompt_tokens=dict(min=min(map(len, prompts)), max=max(map(len, prompts))))
   capacity_len = max(len(p) for p in prompts) + max_new
   rows = []
   for entry in _METHODS.value:
     method, ratio, g = parse_entry(entry)
+    outputs = {}
     try:
       runner = make_runner(loaded.model, draft_model, entry, sampling, stop_ids, backend)
       row, state = runner.serve(prompts, _BATCH.value, max_new, max_len=capacity_len,
                                 chunk=_CHUNK.value, warmup_s=_WARMUP.value,
-                                measure_s=_MEASURE.value, seed=_SEED.value, stagger=_STAGGER.value)
-      row.update(method=entry, sparsity=ratio)
+                                measure_s=_MEASURE.value, seed=_SEED.value, stagger=_STAGGER.value,
+                                on_finish=outputs.__setitem__)
+      row.update(method=entry, label=eos_label(entry, ignore_eos), sparsity=ratio)
+      # Repetition is judged on the text, whatever the stop rule: a trailing EOS counts as ended.
+      row.update(repetition_summary(outputs, loaded.stop_ids))
       if _PROFILE.value and runner.speculative:
         # Phase shares on the serving batch as it stands at the end (steady state, mixed lengths).
         _, row["phases"] = phase_times(runner, state)
       state = None
     except Exception as e:
-      row = dict(method=entry, error=f"{type(e).__name__}: {str(e)[:500]}")
+      row = dict(method=entry, label=eos_label(entry, ignore_eos),
+                 error=f"{type(e).__name__}: {str(e)[:500]}")
     rows.append(row)
-    print(row, file=sys.stderr)
+    print({k: v for k, v in row.items() if k != "per_request"}, file=sys.stderr)
     write_json(out_path, dict(header, rows=rows))   # keep what finished if a later method dies
   plot(dict(header, rows=rows), out_path.removesuffix(".json") + ".png")
-  base = next((r for r in rows if r.get("method") == "none" and r.get("tokens_per_s")), None)
-  print(f"\n{'method':<12} {'g':>2} {'tok/s':>8} {'x none':>6} {'decode tok/s':>12} {'x none':>6} "
-        f"{'acc/round':>9} {'draft':>5} {'verify':>6} {'select':>6}")
-  for r in rows:
-    if "error" in r or r.get("tokens_per_s") is None:
-      print(f"{r['method']:<12} {r.get('error', 'nothing measured (stream ran out in warm-up)')[:80]}")
-      continue
-    ph = r.get("phases", {})
-    x = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
-    xd = (r["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"] if base
-          else float("nan"))
-    print(f"{r['method']:<12} {r['gamma'] if r['method'] != 'none' else '-':>2} "
-          f"{r['tokens_per_s']:>8.0f} {x:>6.2f} {r['decode_only_tokens_per_s']:>12.0f} {xd:>6.2f} "
-          f"{r.get('mean_accepted_tokens', 1.0):>9.2f} {ph.get('draft_share', 0):>5.2f} "
-          f"{ph.get('verify_share', 0):>6.2f} {ph.get('select_share', 0):>6.2f}")
+  print("\n" + summary_table(rows, ignore_eos))
 
 
 if __name__ == "__main__":

@@ -296,7 +296,10 @@ class Runner:
     decoding between them; staggered, the slots finish evenly spread over one request's lifetime,
     as in a server that has been running for a while.
     Returns (the measured window's numbers, the final state: a steady-state batch to profile).
-    `on_finish(request index, its new tokens)` runs for every request that finishes.
+    `on_finish(request index, its new tokens)` runs for every request that finishes, warm-up
+    included (not for those still running when the window closes). The chunks where some finish
+    fetch the token buffer once for all of them (lengths are on the host already), before the
+    refills, and count that time with the refills.
     """
     queue = collections.deque(range(len(prompts)))
     # The first B requests go in one by one, like every later refill: a batched prefill of B long
@@ -321,13 +324,18 @@ class Runner:
       hist = state.accept_hist.sum(0) if self.speculative else None
       return jax.device_get((ds.num_new, ds.done, hist))
 
-    def finish(slots):
+    def finish(slots, num_new):
+      """Report the newly finished `slots` (host lengths `num_new`) before they are refilled."""
+      slots = [int(s) for s in slots if not reported[s]]
+      reported[slots] = True
+      if on_finish is None or not slots:
+        return
+      # One transfer of the whole buffer, not a gather per slot: fixed shape, so nothing compiles
+      # mid-window. Rows are copied: on the CPU the fetched array can alias the buffer that the
+      # next chunk reuses (the state is donated).
+      tokens = np.asarray(jax.device_get(decode_state(state).tokens))
       for slot in slots:
-        if on_finish is not None and not reported[slot]:
-          ds = decode_state(state)
-          n, toks = jax.device_get((ds.num_new[slot], ds.tokens[slot]))
-          on_finish(slot_req[slot], toks[:n])
-        reported[slot] = True
+        on_finish(slot_req[slot], tokens[slot, :num_new[slot]].copy())
 
     state, _ = self.step(state, chunk)            # compiles the chunk
     num_new, done, hist = progress(state)
@@ -347,11 +355,12 @@ class Runner:
       produced = int((new_num - num_new).sum())
       delta_hist = None if new_hist is None else new_hist - hist
       refilled = False
-      for slot in np.flatnonzero(done):
-        finish([slot])
+      finished = np.flatnonzero(done & ~reported)
+      counted["finished"] += measuring * len(finished)
+      finish(finished, new_num)
+      for slot in finished:
         if not queue:
-          continue
-        counted["finished"] += measuring
+          break
         slot_req[slot] = req = queue.popleft()
         reported[slot] = False
         state = put(state, self._prefill_one(prompts[req], max_new, max_len, seed + req), slot)
@@ -379,7 +388,7 @@ class Runner:
       if not queue and done.all():
         break
     bar.close()
-    finish(np.flatnonzero(done))
+    finish(np.flatnonzero(done), num_new)   # a refill that was done at its prefill (budget 1)
     seconds, refill_s = counted["seconds"], counted["refill_s"]
     out = dict(method=self.method, gamma=self.gamma, setup_s=t_setup, measured_s=seconds,
                tokens=counted["tokens"],
