@@ -72,9 +72,13 @@ _WORKLOAD = flags.DEFINE_enum("workload", "short", WORKLOADS, "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
                                          "vegas"],
                              "methods to run, in order; method@ratio overrides --sparsity, "
-                             "method:gamma (or method@ratio:gamma) --gammas")
+                             "method:gamma (or method@ratio:gamma) --gammas, method/2.2.1.1 "
+                             "drafts that tree")
 _GAMMAS = flags.DEFINE_list("gammas", ["vegas=6", "default=4"],
                             "gamma per method: method=g entries and default=g")
+_TREE = flags.DEFINE_list("tree", None, "draft a tree of these widths per depth (e.g. 2,2,1,1) "
+                          "for every speculative entry without its own ('vegas/2.2.1.1')")
+_TREE_ORDER = flags.DEFINE_enum("tree_order", "bfs", ["bfs", "dfs"], "verification order of trees")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "KV ratio for drafting")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
@@ -112,12 +116,31 @@ _OUT = flags.DEFINE_string("out", None,
 def parse_entry(entry: str) -> tuple[str, float, int]:
   """A --methods entry -> (method, ratio, gamma). 'vegas' runs at --sparsity, 'vegas@0.05' at its
   own ratio, 'vegas:6' or 'vegas@0.05:6' at its own gamma; otherwise gamma comes from --gammas:
-  the entry itself, then its method, then 'default'."""
+  the entry itself, then its method, then 'default'. A draft tree (`entry_tree`) sets gamma to
+  its depth."""
+  entry, widths = entry_tree(entry)
+  if widths is not None:
+    return entry.partition(":")[0].partition("@")[0], parse_entry(entry)[1], len(widths)
   name, _, own_gamma = entry.partition(":")
   method, _, ratio = name.partition("@")
   table = dict(item.split("=") for item in _GAMMAS.value)
   gamma = own_gamma or table.get(entry, table.get(method, table.get("default", 4)))
   return method, float(ratio) if ratio else _SPARSITY.value, int(gamma)
+
+
+def entry_tree(entry: str) -> tuple[str, tuple[int, ...] | None]:
+  """A --methods entry's draft tree: 'vegas/2.2.1.1' drafts the tree of widths (2, 2, 1, 1);
+  without one a speculative entry takes --tree, if given. Returns (the entry without it, the
+  widths or None)."""
+  base, _, tree = entry.partition("/")
+  if tree:
+    try:
+      return base, tuple(int(w) for w in tree.split("."))
+    except ValueError:
+      raise ValueError(f"{entry!r}: a tree is widths joined by dots, such as vegas/2.2.1.1") from None
+  if _TREE.value and base.partition(":")[0].partition("@")[0] != "none":
+    return base, tuple(int(w) for w in _TREE.value)
+  return base, None
 
 
 def phase_times(runner: Runner, state):
@@ -129,9 +152,11 @@ def phase_times(runner: Runner, state):
 def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_ids, backend: str
                 ) -> Runner:
   method, ratio, g = parse_entry(entry)
-  return Runner(model, method=method, gamma=g, sparsity=ratio, min_tokens=_MIN_TOKENS.value,
-                score_kind=_SCORE.value, draft_model=draft_model if method == "draft" else None,
-                sampling=sampling, stop_ids=stop_ids, backend=backend)
+  widths = entry_tree(entry)[1]
+  return Runner(model, method=method, gamma=None if widths else g, sparsity=ratio,
+                min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
+                draft_model=draft_model if method == "draft" else None, sampling=sampling,
+                stop_ids=stop_ids, backend=backend, tree=widths, tree_order=_TREE_ORDER.value)
 
 
 def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_total: int):

@@ -102,6 +102,13 @@ def test_throughput_method_entries():
     assert throughput.parse_entry("vegas@0.12") == ("vegas", 0.12, 6)
     assert throughput.parse_entry("streaming:8") == ("streaming", 0.07, 8)
     assert throughput.parse_entry("vegas@0.04:3") == ("vegas", 0.04, 3)
+    assert throughput.parse_entry("vegas@0.04/2.2.1") == ("vegas", 0.04, 3)
+    assert throughput.entry_tree("draft:4/3.1") == ("draft:4", (3, 1))
+    assert throughput.entry_tree("streaming:4") == ("streaming:4", None)
+  with flagsaver.flagsaver(tree=["2", "1"]):
+    assert throughput.entry_tree("vegas") == ("vegas", (2, 1))
+    assert throughput.entry_tree("vegas/3") == ("vegas", (3,))
+    assert throughput.entry_tree("none") == ("none", None)
 
 
 def test_insert_slot_refuses_a_batch_one_state():
