@@ -8,11 +8,19 @@ far and the softmax denominator l [M] f32. The caller computes one block of logi
 (scaled by sm_scale * LOG2E, masked entries -inf) and `update` folds it and its V block in. The
 kernels store (acc, m, l) unnormalised; `combine_splits` merges and normalises the split partials
 in XLA, and `unpack_queries` puts the rows back in [B, T, Hq, D].
+
+Draft trees (both kernels, both references): `tree_bits` [T] or [B, T] int32, one per query row,
+replaces the causal rule on the keys from `lengths` on: key lengths + i is visible to row t iff
+bit i of tree_bits[t] is set (i < 32), whatever T is (rows of one tree level address the window
+of every node written so far). `window_visible` is that test, in a kernel tile and in XLA alike;
+`tree_bounds` gives the keys every row sees and the end of those any row sees (the kernels mask
+only the blocks between), `pack_bits` lays the bits out as the query tile.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 LOG2E = 1.4426950408889634
@@ -51,6 +59,15 @@ def update(state: State, s: jax.Array, v: jax.Array) -> State:
   # p in V's dtype (bf16) so the p.V product runs on the tensor cores, accumulating in f32.
   acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
   return acc, m_new, l_new
+
+
+def window_visible(bits: jax.Array, cols: jax.Array, length: jax.Array) -> jax.Array:
+  """bool, broadcast of bits (int32 ancestor bits per row) and cols (key positions): the key is
+  in the tree window [length, length + 32) and its bit is set. The shift is clamped into [0, 31]
+  because a shift by a negative or >= 32 amount is undefined in Triton (and LLVM)."""
+  rel = cols - length
+  bit = jnp.right_shift(bits, jnp.clip(rel, 0, 31)) & 1
+  return (rel >= 0) & (rel < 32) & (bit != 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,3 +117,33 @@ def combine_splits(o, m, l):
   acc = jnp.sum(w[..., None] * o, axis=-3)
   out = acc / jnp.maximum(l_sum, 1e-30)[..., None]
   return out, m_max + jnp.log2(l_sum)
+
+
+def batch_bits(tree_bits: jax.Array, b: int, t: int) -> jax.Array:
+  """Check tree bits [T] or [B, T] int32 and broadcast them to [B, T]."""
+  if tree_bits.shape not in ((t,), (b, t)):
+    raise ValueError(f"tree_bits must be [T]={t} or [B, T]={(b, t)} int32, got {tree_bits.shape}")
+  if tree_bits.dtype != jnp.int32:
+    raise ValueError(f"tree_bits must be int32 (bit 31 is the sign bit), got {tree_bits.dtype}")
+  return jnp.broadcast_to(tree_bits, (b, t))
+
+
+def pack_bits(bits: jax.Array, g: int, m_rows: int) -> jax.Array:
+  """[B, T] bits -> [B, M], packed as `pack_queries` packs rows (row r = t*G + g); the padding
+  rows repeat the last row's bits, as the kernels' causal rule clamps them to the last row."""
+  t = bits.shape[1]
+  return bits[:, jnp.minimum(jnp.arange(m_rows) // g, t - 1)]
+
+
+def tree_bounds(bits: jax.Array, lengths: jax.Array, s: int) -> tuple[jax.Array, jax.Array]:
+  """bits [B, R] int32, lengths [B] -> (full, end), each [B] int32 and at most the cache size S:
+  every one of the R rows sees the keys before `full` (the prefix and the window keys at the
+  bottom of all rows' bits: the root, for a tree's nodes; a chain's full is lengths + 1, as its
+  causal rule has it), none sees a key from `end` on (lengths + the bit length of the rows' OR)."""
+  union = jax.lax.reduce(bits, np.int32(0), jax.lax.bitwise_or, (1,))
+  common = jax.lax.reduce(bits, np.int32(-1), jax.lax.bitwise_and, (1,))
+  end = jnp.minimum(lengths + 32 - jax.lax.clz(union), s)
+  # The lowest bit missing from `common` (~c & (c + 1)), as an index: the shared run's length.
+  missing = ~common
+  run = jnp.where(missing == 0, 32, 31 - jax.lax.clz(missing & (common + 1)))
+  return jnp.minimum(lengths + run, end), end

@@ -9,9 +9,14 @@ Shapes (GQA, Hq = G * Hkv):
   tail_start  [B] int32          every position from here on is attended densely (the tokens written
                                  since the selection was made); selected indices must be < tail_start
   lengths     [B] int32          entries in the cache before the T new tokens
+  tree_bits   [T] or [B, T] int32    optional, a draft tree's ancestor bits (below)
 Query row t sees {indices[b, :counts[b]]} U {j : tail_start[b] <= j <= lengths[b] + t}.
 Indices must be distinct within a list and < tail_start (what `topk_select` returns); the kernel,
 unlike the reference, would count a repeated index twice. A query row that sees nothing gets 0.
+With `tree_bits` (`Tree.ancestor_bits`, as in `verify_attention`) the keys from lengths on follow
+the tree instead of the causal rule: row t sees the selection, the tail up to lengths - 1, and key
+lengths + i iff bit i of tree_bits[t] is set (i < 32; T may be smaller than the window the bits
+address). The indices must then be < lengths too. Without tree_bits the traced code is unchanged.
 
 Kernel (`sparse_attention`), flash-decoding over the index list. Like `verify_attention` it is
 bound by the bytes it reads, here K/V rows scattered over the cache, so the tiling reads each
@@ -21,7 +26,9 @@ selected row once for all query rows of its KV head:
     take one contiguous chunk of the index list, load block_k indices, and gather those rows of K
     and V with one pointer-per-row masked load (page size 1: each row is D*2 contiguous bytes);
     programs p >= P_sel split the dense tail [tail_start, lengths + T) and run it with the causal
-    mask of the T new rows. All G x T query rows of a KV head share each gathered tile.
+    mask of the T new rows (with tree_bits: [min(tail_start, lengths), the last key a row's bits
+    name), blocks from the one holding lengths on testing each row's bits). All G x T query rows
+    of a KV head share each gathered tile.
   * shared indices [B, K] are read by every KV head's programs (from L2 after the first); per-head
     indices [B, Hkv, K] give each head its own list and count.
   * each program writes an unnormalised partial; the XLA combine `verify_attention` uses merges
@@ -71,8 +78,12 @@ def _check(q, k, v, indices, counts, tail_start, lengths):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def sparse_attention_reference(q, k, v, indices, counts, tail_start, lengths, *,
-                               sm_scale: float | None = None):
-  """Pure-JAX reference: builds the visibility mask over the whole cache. Returns [B,T,Hq,D]."""
+                               sm_scale: float | None = None,
+                               tree_bits: jax.Array | None = None):
+  """Pure-JAX reference: builds the visibility mask over the whole cache. Returns [B,T,Hq,D].
+
+  tree_bits [T] or [B, T] int32: the keys from lengths on follow each row's ancestor bits instead
+  of the causal rule (see the module docstring)."""
   _check(q, k, v, indices, counts, tail_start, lengths)
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
@@ -84,9 +95,16 @@ def sparse_attention_reference(q, k, v, indices, counts, tail_start, lengths, *,
   selected = jnp.zeros((b, hkv, s), bool)
   selected = selected.at[jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None],
                          jnp.where(valid, idx, s)].set(True, mode="drop")       # [B,Hkv,S]
-  pos = lengths[:, None] + jnp.arange(t)[None]                                # [B,T]
-  j = jnp.arange(s)
-  tail = (j[None, None] >= tail_start[:, None, None]) & (j[None, None] <= pos[:, :, None])  # [B,T,S]
+  if tree_bits is None:
+    pos = lengths[:, None] + jnp.arange(t)[None]                              # [B,T]
+    j = jnp.arange(s)
+    tail = (j[None, None] >= tail_start[:, None, None]) & (j[None, None] <= pos[:, :, None])
+  else:
+    bits = online_softmax.batch_bits(tree_bits, b, t)
+    j = jnp.arange(s)
+    at = lengths[:, None, None]
+    tail = (((j[None, None] >= tail_start[:, None, None]) & (j[None, None] < at))
+            | online_softmax.window_visible(bits[:, :, None], j[None, None], at))  # [B,T,S]
   visible = selected[:, :, None] | tail[:, None]                               # [B,Hkv,T,S]
   qg = q.reshape(b, t, hkv, g, d).astype(jnp.float32)
   logits = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32)) * scale
@@ -102,9 +120,9 @@ def sparse_attention_reference(q, k, v, indices, counts, tail_start, lengths, *,
 # ----------------------------------------------------------------------------------------------
 # Kernel
 
-def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
-                   *, sm_scale: float, t: int, g: int, block_k: int, chunk: int, sel_splits: int,
-                   tail_splits: int):
+def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, *refs,
+                   sm_scale: float, t: int, g: int, block_k: int, chunk: int, sel_splits: int,
+                   tail_splits: int, tree: bool):
   # len_ref   []      int32  cache entries before the T new tokens
   # tail_ref  []      int32  first position of the dense tail
   # cnt_ref   []      int32  valid entries of this head's index list
@@ -112,9 +130,16 @@ def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_r
   # q_ref     [M, D]  bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
   # k_ref     [S, D]         this KV head's keys (head squeezed by the BlockSpec)
   # v_ref     [S, D]
+  # with a tree (`online_softmax.tree_bounds`): full_ref [] int32, every row sees the keys before
+  #   it; end_ref [] int32, no row sees a key from it on; bits_ref [M] int32, each packed row's
+  #   ancestor bits over the keys from len_ref on
   # o_ref     [M, D]  f32    unnormalised partial output of this program
   # m_ref     [M]     f32    running max, base-2 logits
   # l_ref     [M]     f32    softmax denominator
+  if tree:
+    full_ref, end_ref, bits_ref, o_ref, m_ref, l_ref = refs
+  else:
+    o_ref, m_ref, l_ref = refs
   m_rows, d = q_ref.shape
   p = pl.program_id(1)
   length = len_ref[()]
@@ -156,14 +181,24 @@ def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_r
 
   def tail(carry):
     # Split (p - sel_splits) of the dense tail [tail_start, length + T), causal in the new rows.
-    kv_end = length + t
-    tail_len = jnp.maximum(kv_end - tail_ref[()], 0)
+    # A tree's keys from `length` on are seen by their bits even where tail_start is past length.
+    def first():   # where the tail programs start (read where used: the chain's code unchanged)
+      return jnp.minimum(tail_ref[()], length) if tree else tail_ref[()]
+
+    if tree:
+      kv_end = end_ref[()]
+      bits = bits_ref[...][:, None]                    # [M, 1]
+    else:
+      kv_end = length + t
+    tail_len = jnp.maximum(kv_end - first(), 0)
     per = (tail_len + tail_splits * block_k - 1) // (tail_splits * block_k) * block_k
-    start = tail_ref[()] + (p - sel_splits) * per
+    start = first() + (p - sel_splits) * per
     stop = jnp.minimum(start + per, kv_end)
     span = jnp.maximum(stop - start, 0)
     n_blocks = (span + block_k - 1) // block_k
-    n_full = jnp.minimum(jnp.maximum(jnp.minimum(length + 1, stop) - start, 0) // block_k, n_blocks)
+    seen_by_all = full_ref[()] if tree else length + 1
+    n_full = jnp.minimum(jnp.maximum(jnp.minimum(seen_by_all, stop) - start, 0) // block_k,
+                         n_blocks)
 
     def step(i, carry, masked):
       j0 = start + i * block_k
@@ -173,7 +208,12 @@ def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_r
       live = cols < stop
       k = plgpu.load(k_ref.at[pl.ds(j0, block_k), :], mask=live[:, None], other=0.)
       v = plgpu.load(v_ref.at[pl.ds(j0, block_k), :], mask=live[:, None], other=0.)
-      visible = live[None, :] & (cols[None, :] <= length + row_t[:, None])
+      if tree:
+        # The tail programs start at min(tail_start, length): cols < length is [tail_start, length).
+        visible = live[None, :] & ((cols[None, :] < length)
+                                   | online_softmax.window_visible(bits, cols[None, :], length))
+      else:
+        visible = live[None, :] & (cols[None, :] <= length + row_t[:, None])
       return update(carry, k, v, visible)
 
     if k_ref.shape[0] < block_k:   # a cache shorter than one block: masked blocks only
@@ -191,9 +231,10 @@ def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, o_r
 # ----------------------------------------------------------------------------------------------
 # Unbatched pallas_call wrapper (one sequence; the public function vmaps it over the batch)
 
-def _sparse_unbatched(q, k, v, indices, counts, tail_start, length, *, sm_scale, t, g, block_k,
-                      num_splits, tail_splits, num_warps, num_stages, interpret):
-  """q [Hkv,M,D], k/v [S,Hkv,D], indices [K] or [Hkv,K], counts [] or [Hkv], tail_start, length []
+def _sparse_unbatched(q, k, v, indices, counts, tail_start, length, tree=None, *, sm_scale, t, g,
+                      block_k, num_splits, tail_splits, num_warps, num_stages, interpret):
+  """q [Hkv,M,D], k/v [S,Hkv,D], indices [K] or [Hkv,K], counts [] or [Hkv], tail_start, length [],
+  tree None or (full [], end [], bits [M]) (see _sparse_kernel)
 
   -> partials o [Hkv,P,M,D], m, l [Hkv,P,M] with P = P_sel + tail_splits.
   """
@@ -211,17 +252,25 @@ def _sparse_unbatched(q, k, v, indices, counts, tail_start, length, *, sm_scale,
     idx_spec = pl.BlockSpec((kk,), lambda h, i: (0,))
     cnt_spec = pl.BlockSpec((), lambda h, i: ())
   kernel = functools.partial(_sparse_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
-                             chunk=chunk, sel_splits=sel_splits, tail_splits=tail_splits)
+                             chunk=chunk, sel_splits=sel_splits, tail_splits=tail_splits,
+                             tree=tree is not None)
+  in_specs = [pl.BlockSpec((), lambda h, i: ()),
+              pl.BlockSpec((), lambda h, i: ()),
+              cnt_spec,
+              idx_spec,
+              pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
+              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
+              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))]
+  args = [length, tail_start, counts, indices, q, k, v]
+  if tree is not None:
+    # The sequence's tree bounds and packed bits, shared by every program.
+    in_specs += [pl.BlockSpec((), lambda h, i: ())] * 2 + [
+        pl.BlockSpec((m_rows,), lambda h, i: (0,))]
+    args += list(tree)
   return pl.pallas_call(
       kernel,
       grid=(hkv, p),
-      in_specs=[pl.BlockSpec((), lambda h, i: ()),
-                pl.BlockSpec((), lambda h, i: ()),
-                cnt_spec,
-                idx_spec,
-                pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
-                pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
-                pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))],
+      in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, None, m_rows, d), lambda h, i: (h, i, 0, 0)),
                  pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0)),
                  pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0))],
@@ -230,8 +279,9 @@ def _sparse_unbatched(q, k, v, indices, counts, tail_start, length, *, sm_scale,
                  jax.ShapeDtypeStruct((hkv, p, m_rows), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"sparse_attention_t{t}_g{g}_d{d}" + ("_per_head" if per_head else ""),
-  )(length, tail_start, counts, indices, q, k, v)
+      name=(f"sparse_attention_t{t}_g{g}_d{d}" + ("_per_head" if per_head else "")
+            + ("_tree" if tree is not None else "")),
+  )(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,8 +293,9 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
                      counts: jax.Array, tail_start: jax.Array, lengths: jax.Array, *,
                      sm_scale: float | None = None, interpret: bool = False, block_k: int = 32,
                      num_splits: int | None = None, tail_splits: int = 2, num_warps: int = 4,
-                     num_stages: int = 3) -> jax.Array:
-  """Pallas gathered sparse attention; same contract as sparse_attention_reference.
+                     num_stages: int = 3, tree_bits: jax.Array | None = None) -> jax.Array:
+  """Pallas gathered sparse attention; same contract as sparse_attention_reference, `tree_bits`
+  included (None compiles the chain's kernel, unchanged).
 
   Returns [B,T,Hq,D] in q.dtype. Knobs: `block_k` gathered rows per tile (power of two >= 16),
   `num_splits` chunks of the index list per (sequence, KV head) (default: ~4 programs per SM for
@@ -274,9 +325,14 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
   programs = online_softmax.DEFAULT_PROGRAMS if m_rows <= 16 else 1024
   splits = num_splits or default_splits(b * hkv, pl.cdiv(indices.shape[-1], block_k), programs)
   qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g
+  tree = None
+  if tree_bits is not None:
+    bits = online_softmax.batch_bits(tree_bits, b, t)                     # [B,T]
+    tree = (*online_softmax.tree_bounds(bits, lengths.astype(jnp.int32), k.shape[1]),
+            online_softmax.pack_bits(bits, g, m_rows))
   parts = jax.vmap(functools.partial(
       _sparse_unbatched, sm_scale=scale, t=t, g=g, block_k=block_k, num_splits=splits,
       tail_splits=tail_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret))(
-          qp, k, v, indices, counts, tail_start.astype(jnp.int32), lengths.astype(jnp.int32))
+          qp, k, v, indices, counts, tail_start.astype(jnp.int32), lengths.astype(jnp.int32), tree)
   o, _ = combine_splits(*parts)                         # [B,Hkv,M,D]
   return online_softmax.unpack_queries(o, t, g).astype(q.dtype)

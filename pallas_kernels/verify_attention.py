@@ -5,8 +5,12 @@ Shapes (GQA, Hq = G * Hkv):
   k, v     [B, S, Hkv, D]  the KV cache, the T new entries already written at lengths[b] + t
   lengths  [B] int32       entries in the cache *before* the new tokens (0 <= lengths[b] <= S - T)
 Query row t of sequence b sits at position lengths[b] + t and sees keys j <= lengths[b] + t.
-For a draft tree (`jaxspec.drafting.trees`) the reference takes `tree_mask` [T, T]: a row sees the
-prefix, its ancestors and itself among the T new keys; the kernel does not take it yet.
+A draft tree (`jaxspec.drafting.trees`) passes `tree_bits` [T] or [B, T] int32 instead, one per
+query row (`Tree.ancestor_bits`): row t sees every key j < lengths[b] and key lengths[b] + i iff
+bit i of tree_bits[t] is set (i < 32). The rows need not be the whole window the bits address: the
+nodes of one tree level, drafted after the shallower ones were written, pass their rows of
+ancestor_bits (T smaller than the window), all window keys' K/V already in the cache. Without
+tree_bits the traced code is the chain's, unchanged.
 
 Optional criticality scores [B, S] (bf16): for each key j visible to every collected row, the mean
 over collected rows and all Hq query heads of either the raw logit q.k (`score_kind='logits'`,
@@ -23,7 +27,10 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     streams one contiguous split of S / P keys of one KV head and keeps all G x T query rows of
     that head in one [M, D] tile (M = G*T rounded up to a power of two >= 16, as tl.dot needs).
   * the blocks of a split that every row sees run without a mask; only the last one or two blocks
-    (the causal triangle of the T new rows, and the end of the cache) pay for masking.
+    (the causal triangle of the T new rows, and the end of the cache) pay for masking. With
+    tree_bits the masked blocks are those from the one holding lengths to the last key a row's
+    bits name (`online_softmax.tree_bounds`); each tile tests (bits >> (j - lengths)) & 1 per row,
+    the bits packed like the query rows.
   * each split writes an unnormalised partial (acc, running max, denominator); a small XLA combine
     merges the P splits (1-2% of the cache bytes at the default split count). The query tile, the
     split count and the combine are the ones `sparse_attention` uses (`online_softmax`).
@@ -63,6 +70,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -89,34 +97,38 @@ def normalize_rows(score_rows: tuple[int, ...] | None, t: int) -> tuple[int, ...
   return tuple(sorted(set(rows)))
 
 
+def _tree_visible(lengths: jax.Array, bits: jax.Array, s: int) -> jax.Array:
+  """lengths [B], bits [B, R] -> [B, R, S] bool: each row sees the prefix and its window bits."""
+  j = jnp.arange(s)[None, None, :]
+  at = lengths[:, None, None]
+  return (j < at) | online_softmax.window_visible(bits[:, :, None], j, at)
+
+
 @functools.partial(jax.jit, static_argnames=("score_kind", "score_rows", "sm_scale", "per_row"))
 def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = None,
                                score_rows: tuple[int, ...] | None = (0, -1),
                                sm_scale: float | None = None, per_row: bool = False,
-                               tree_mask: jax.Array | None = None):
+                               tree_bits: jax.Array | None = None):
   """Pure-JAX reference. Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16 or None).
 
   per_row: scores [B,T,S] instead, one row per query row t (mean over the Hq heads of that row's
   logits or weights; -inf on the keys it does not see); `score_rows` is then unused.
-  tree_mask [T, T] bool (a draft tree, `jaxspec.drafting.trees.Tree.mask`): row t sees new key u
-  (at lengths + u) only where tree_mask[t, u], on top of the causal rule; the prefix stays visible to
-  every row. None is the chain (causal). Scores follow the same visibility.
+  tree_bits [T] or [B, T] int32 (a draft tree, `jaxspec.drafting.trees.Tree.ancestor_bits`): row t
+  sees the prefix j < lengths and key lengths + i iff bit i of tree_bits[t] is set, instead of the
+  causal rule. None is the chain. Scores follow the same visibility.
   """
   _check_shapes(q, k, v, lengths)
-  if tree_mask is not None and tree_mask.shape != (q.shape[1],) * 2:
-    raise ValueError(f"tree_mask must be [T, T] = {(q.shape[1],) * 2}, got {tree_mask.shape}")
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
   scale = d ** -0.5 if sm_scale is None else sm_scale
   qg = q.reshape(b, t, hkv, g, d).astype(jnp.float32)
   logits = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32))   # [B,Hkv,G,T,S]
-  pos = lengths[:, None] + jnp.arange(t)[None]                           # [B,T]
-  visible = jnp.arange(s)[None, None, :] <= pos[:, :, None]              # [B,T,S]
-  if tree_mask is not None:
-    rel = jnp.arange(s)[None, :] - lengths[:, None]                       # [B,S]: new key index
-    in_tree = jnp.asarray(tree_mask, bool)[:, jnp.clip(rel, 0, t - 1)].transpose(1, 0, 2)
-    visible = visible & ((rel < 0)[:, None, :] | in_tree)
+  if tree_bits is None:
+    pos = lengths[:, None] + jnp.arange(t)[None]                         # [B,T]
+    visible = jnp.arange(s)[None, None, :] <= pos[:, :, None]            # [B,T,S]
+  else:
+    visible = _tree_visible(lengths, online_softmax.batch_bits(tree_bits, b, t), s)
   masked = jnp.where(visible[:, None, None], logits * scale, NEG_INF)
   lse = jax.nn.logsumexp(masked, axis=-1, keepdims=True)
   probs = jnp.exp(masked - lse)
@@ -147,7 +159,7 @@ def _hi_lo(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, g: int,
-                   block_k: int, split_len: int, score_mode: str | None):
+                   block_k: int, split_len: int, score_mode: str | None, tree: bool):
   # len_ref  []       int32  cache entries before the T new tokens
   # q_ref    [M, D]   bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
   # k_ref    [S, D]          this KV head's keys (the BlockSpec squeezes the head; row stride Hkv*D)
@@ -155,24 +167,37 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   # refs, with scores: qsum_ref, summed queries split into bf16 high and low parts:
   #   'sum'  [16, D]  the collected rows' sum: high part in row 0, low part in row 1, zeros after
   #   'rows' [2R, D]  each query row's sum over its G heads: high parts in rows 0..R-1, low after
+  # with a tree (`online_softmax.tree_bounds`): full_ref [] int32, every row sees the keys before
+  #   it; end_ref [] int32, no row sees a key from it on; bits_ref [M] int32, each packed row's
+  #   ancestor bits over the keys from len_ref on
   # then the outputs
   # o_ref    [M, D]   f32    unnormalised partial output of split p
   # m_ref    [M]      f32    running max of this split, base-2 logits
   # l_ref    [M]      f32    softmax denominator of this split
   # and with scores: score_ref, raw logits q.k of this KV head's heads, summed:
   #   'sum'  [S] f32 over the collected rows;  'rows' [S, R] f32 per query row (column t)
+  refs = list(refs)
+  qsum_ref = None if score_mode is None else refs.pop(0)
+  if tree:
+    full_ref, end_ref, bits_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   if score_mode is None:
     o_ref, m_ref, l_ref = refs
   else:
-    qsum_ref, o_ref, m_ref, l_ref, score_ref = refs
+    o_ref, m_ref, l_ref, score_ref = refs
   m_rows, d = q_ref.shape
   length = len_ref[()]
   start = pl.program_id(1) * split_len
-  kv_end = length + t                                   # exclusive: what the last row sees
+  if tree:
+    kv_end = end_ref[()]                                # exclusive: the last key a row's bits name
+    bits = bits_ref[...][:, None]                       # [M, 1]
+  else:
+    kv_end = length + t                                 # exclusive: what the last row sees
   span = jnp.clip(kv_end - start, 0, split_len)
   n_blocks = (span + block_k - 1) // block_k
-  # Blocks that end at or before `length` are seen by every row: no mask needed.
-  n_full = jnp.minimum(jnp.maximum(length + 1 - start, 0) // block_k, n_blocks)
+  # Blocks that end at or before `length` are seen by every row: no mask needed. (A tree's rows
+  # all see its root at `length` too; bits shared further up move the bound with them.)
+  seen_by_all = full_ref[()] if tree else length + 1
+  n_full = jnp.minimum(jnp.maximum(seen_by_all - start, 0) // block_k, n_blocks)
 
   q = q_ref[...]
   if score_mode == "rows":
@@ -209,7 +234,11 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       else:
         score_ref[pl.ds(j0, block_k), :] = partial
     s = online_softmax.dot_t(q, k) * qk_scale                            # [M, bk] f32
-    if masked:
+    if masked and tree:
+      visible = ((cols[None, :] < length)
+                 | online_softmax.window_visible(bits, cols[None, :], length))
+      s = jnp.where(visible, s, NEG_INF)
+    elif masked:
       s = jnp.where(cols[None, :] <= length + row_t[:, None], s, NEG_INF)
     return online_softmax.update(carry, s, v)
 
@@ -224,16 +253,18 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   l_ref[...] = l_i
 
 
-def _weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float, first_row: int,
-                    block_k: int, split_len: int):
-  # len_ref  []       int32
+def _weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float,
+                    first_row: int | None, block_k: int, split_len: int):
+  # len_ref  []       int32  lengths; with first_row None (a tree) the exclusive end of the keys
+  #                          to weigh, from the collected rows' common bits (XLA masks the rest)
   # q_ref    [Mc, D]  the collected rows of this KV head, row i*G + g, zero rows past R*G
   # lse_ref  [Mc]     f32 final base-2 log-sum-exp of each row (+inf on padding rows)
   # k_ref    [S, D]
   # w_ref    [S]      f32 sum over collected rows of exp(scale*q.k - lse), for this KV head
   length = len_ref[()]
   start = pl.program_id(1) * split_len
-  end = length + first_row + 1              # keys seen by every collected row
+  # keys seen by every collected row
+  end = length if first_row is None else length + first_row + 1
   span = jnp.clip(end - start, 0, split_len)
   n_blocks = (span + block_k - 1) // block_k
   q = q_ref[...]
@@ -252,18 +283,27 @@ def _weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float, f
   jax.lax.fori_loop(0, n_blocks, step, 0)
 
 
-def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: float, t: int, g: int,
-                        block_k: int, split_len: int):
+def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, *refs, sm_scale: float, t: int, g: int,
+                        block_k: int, split_len: int, tree: bool):
   # len_ref  []      int32
   # q_ref    [M, D]  this KV head's query rows, row r = t*G + g (as in _verify_kernel)
   # lse_ref  [M]     f32 final base-2 log-sum-exp of each row (+inf on padding rows)
   # k_ref    [S, D]
+  # with a tree: end_ref [] and bits_ref [M] int32 (as in _verify_kernel)
   # w_ref    [S, R]  f32 per query row t (column t): sum over its G heads of exp(scale*q.k - lse)
+  if tree:
+    end_ref, bits_ref, w_ref = refs
+  else:
+    (w_ref,) = refs
   m_rows, _ = q_ref.shape
   r_rows = w_ref.shape[1]
   length = len_ref[()]
   start = pl.program_id(1) * split_len
-  end = length + t                          # the last row sees keys < length + T
+  if tree:
+    end = end_ref[()]
+    bits = bits_ref[...][None, :]           # [1, M]
+  else:
+    end = length + t                        # the last row sees keys < length + T
   span = jnp.clip(end - start, 0, split_len)
   n_blocks = (span + block_k - 1) // block_k
   q = q_ref[...]
@@ -282,7 +322,12 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: floa
     s = online_softmax.dot_t(k, q) * qk_scale - lse[None, :]             # [bk, M]
     # Zero the keys a row does not see: the -inf they get is applied later, but their exp is
     # unbounded, and an inf times another row's 0 in the group product below would be NaN.
-    p = jnp.where(cols[:, None] <= length + row_t[None, :], jnp.exp2(s), 0.)
+    if tree:
+      visible = ((cols[:, None] < length)
+                 | online_softmax.window_visible(bits, cols[:, None], length))
+    else:
+      visible = cols[:, None] <= length + row_t[None, :]
+    p = jnp.where(visible, jnp.exp2(s), 0.)
     p_hi, p_lo = _hi_lo(p, q.dtype)
     w = online_softmax.dot(p_hi, group) + online_softmax.dot(p_lo, group)  # [bk, R]
     plgpu.store(w_ref.at[pl.ds(j0, block_k), :], w, mask=live[:, None])
@@ -294,9 +339,10 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, w_ref, *, sm_scale: floa
 # ----------------------------------------------------------------------------------------------
 # Unbatched pallas_call wrappers (one sequence; the public function vmaps them over the batch)
 
-def _verify_unbatched(q, k, v, length, qsum=None, *, sm_scale, t, g, block_k, num_splits,
-                      score_mode, num_warps, num_stages, interpret):
-  """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16 or 2R, D] or None
+def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, block_k,
+                      num_splits, score_mode, num_warps, num_stages, interpret):
+  """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16 or 2R, D] or None, tree None or
+  (full [], end [], bits [M]) (see _verify_kernel)
 
   -> partials o [Hkv,P,M,D], m, l [Hkv,P,M], and with scores the per-head logit sums:
   [Hkv, S] ('sum') or [Hkv, S, R] ('rows').
@@ -306,7 +352,7 @@ def _verify_unbatched(q, k, v, length, qsum=None, *, sm_scale, t, g, block_k, nu
   split_len = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
   p = pl.cdiv(s, split_len)
   kernel = functools.partial(_verify_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
-                             split_len=split_len, score_mode=score_mode)
+                             split_len=split_len, score_mode=score_mode, tree=tree is not None)
   in_specs = [pl.BlockSpec((), lambda h, i: ()),
               pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
               pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
@@ -321,6 +367,10 @@ def _verify_unbatched(q, k, v, length, qsum=None, *, sm_scale, t, g, block_k, nu
   if score_mode is not None:
     in_specs.append(pl.BlockSpec((None, qsum.shape[1], d), lambda h, i: (h, 0, 0)))
     args.append(qsum)
+  if tree is not None:
+    in_specs += _tree_specs(tree, m_rows)
+    args += list(tree)
+  if score_mode is not None:
     if score_mode == "sum":
       out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
       out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
@@ -336,16 +386,24 @@ def _verify_unbatched(q, k, v, length, qsum=None, *, sm_scale, t, g, block_k, nu
       out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"verify_attention_t{t}_g{g}_d{d}" + (f"_scores_{score_mode}" if score_mode else ""),
+      name=(f"verify_attention_t{t}_g{g}_d{d}" + (f"_scores_{score_mode}" if score_mode else "")
+            + ("_tree" if tree is not None else "")),
   )(*args)
 
 
-def _weights_unbatched(q, lse, k, length, *, kernel, name, r_rows, block_k, num_splits,
-                       num_warps, num_stages, interpret):
+def _tree_specs(tree: tuple[jax.Array, ...], m_rows: int) -> list[pl.BlockSpec]:
+  """The tree inputs of a sequence, shared by its programs: scalar bounds, then the packed bits."""
+  return [pl.BlockSpec((), lambda h, i: ())] * (len(tree) - 1) + [
+      pl.BlockSpec((m_rows,), lambda h, i: (0,))]
+
+
+def _weights_unbatched(q, lse, k, length, tree=None, *, kernel, name, r_rows, block_k,
+                       num_splits, num_warps, num_stages, interpret):
   """The second pass over K for 'weights' scores, `kernel` being `_weights_kernel` (summed over
   the collected rows, r_rows None) or `_row_weights_kernel` (per row) with its static arguments.
 
-  q [Hkv, M, D], lse [Hkv, M], k [S, Hkv, D], length [] -> [Hkv, S] or [Hkv, S, R] f32.
+  q [Hkv, M, D], lse [Hkv, M], k [S, Hkv, D], length [], tree None or (end [], bits [M]) (per row
+  only) -> [Hkv, S] or [Hkv, S, R] f32.
   """
   hkv, m_rows, d = q.shape
   s = k.shape[0]
@@ -355,19 +413,24 @@ def _weights_unbatched(q, lse, k, length, *, kernel, name, r_rows, block_k, num_
     out_block, out_index = (None, s), lambda h, i: (h, 0)
   else:
     out_block, out_index = (None, s, r_rows), lambda h, i: (h, 0, 0)
+  in_specs = [pl.BlockSpec((), lambda h, i: ()),
+              pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
+              pl.BlockSpec((None, m_rows), lambda h, i: (h, 0)),
+              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))]
+  args = [length, q, lse, k]
+  if tree is not None:
+    in_specs += _tree_specs(tree, m_rows)
+    args += list(tree)
   return pl.pallas_call(
       functools.partial(kernel, block_k=block_k, split_len=split_len),
       grid=(hkv, p),
-      in_specs=[pl.BlockSpec((), lambda h, i: ()),
-                pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
-                pl.BlockSpec((None, m_rows), lambda h, i: (h, 0)),
-                pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))],
+      in_specs=in_specs,
       out_specs=pl.BlockSpec(out_block, out_index),
       out_shape=jax.ShapeDtypeStruct((hkv,) + out_block[1:], jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"{name}_d{d}",
-  )(length, q, lse, k)
+      name=f"{name}_d{d}" + ("_tree" if tree is not None else ""),
+  )(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,8 +466,10 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      sm_scale: float | None = None, per_row: bool = False,
                      interpret: bool = False, block_k: int | None = None,
                      num_splits: int | None = None, num_warps: int = 4,
-                     num_stages: int = 3) -> tuple[jax.Array, jax.Array | None]:
-  """Pallas flash-decoding verification attention; same contract as verify_attention_reference.
+                     num_stages: int = 3, tree_bits: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array | None]:
+  """Pallas flash-decoding verification attention; same contract as verify_attention_reference,
+  `tree_bits` included (None compiles the chain's kernels, unchanged).
 
   Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16, [B,T,S] with `per_row`, or None).
   Per-row 'logits' come from the main pass (each row's head-summed query, as for Collect-2);
@@ -447,6 +512,11 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
 
   qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g
   lengths = lengths.astype(jnp.int32)
+  tree = None
+  if tree_bits is not None:
+    bits = online_softmax.batch_bits(tree_bits, b, t)                     # [B,T]
+    tree = (*online_softmax.tree_bounds(bits, lengths, s),
+            online_softmax.pack_bits(bits, g, m_rows))
   common = dict(block_k=block_k, num_splits=splits, num_warps=num_warps,
                 num_stages=num_stages, interpret=interpret)
   row_idx = [] if rows is None else [r * g + i for r in rows for i in range(g)]   # packed rows
@@ -457,7 +527,8 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   elif score_kind == "logits":
     score_mode, qsum = "sum", _summed_query(qp, row_idx, k.dtype)
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
-                                    score_mode=score_mode, **common))(qp, k, v, lengths, qsum)
+                                    score_mode=score_mode, **common))(qp, k, v, lengths, qsum,
+                                                                      tree)
   o, lse2 = combine_splits(*outs[:3])                   # [B,Hkv,M,D], [B,Hkv,M]
   out = online_softmax.unpack_queries(o, t, g).astype(q.dtype)
   if score_kind is None:
@@ -469,14 +540,27 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     else:
       # Every row's weights need its final lse; padding rows get +inf, so they weigh 0.
       lse_rows = jnp.where(jnp.arange(m_rows) < t * g, lse2, jnp.inf)
-      kernel = functools.partial(_row_weights_kernel, sm_scale=scale, t=t, g=g)
+      kernel = functools.partial(_row_weights_kernel, sm_scale=scale, t=t, g=g,
+                                 tree=tree is not None)
       per_head = jax.vmap(functools.partial(
           _weights_unbatched, kernel=kernel, name=f"verify_attention_row_weights_t{t}_g{g}",
-          r_rows=r_rows, **common))(qp, lse_rows, k, lengths)
+          r_rows=r_rows, **common))(qp, lse_rows, k, lengths,
+                                    None if tree is None else tree[1:])   # (end, bits)
     mean = jnp.sum(per_head, axis=1)[:, :, :t].transpose(0, 2, 1) * (1.0 / hq)   # [B,T,S]
-    visible = jnp.arange(s)[None, None] <= (lengths[:, None] + jnp.arange(t))[:, :, None]
+    if tree is None:
+      visible = jnp.arange(s)[None, None] <= (lengths[:, None] + jnp.arange(t))[:, :, None]
+    else:
+      visible = _tree_visible(lengths, bits, s)
     return out, jnp.where(visible, mean, NEG_INF).astype(jnp.bfloat16)
 
+  weights_bound, first_row = lengths, rows[0]
+  if tree is not None:
+    # A key is seen by every collected row where it is in the prefix or set in all their bits;
+    # the weights pass then reads up to the last such key.
+    common_bits = jax.lax.reduce(bits[:, jnp.asarray(rows)], np.int32(-1), jax.lax.bitwise_and,
+                                 (1,))                                    # [B]
+    weights_bound = online_softmax.tree_bounds(common_bits[:, None], lengths, s)[1]
+    first_row = None
   if score_kind == "logits":
     per_head = outs[3]                                  # [B,Hkv,S]
   else:
@@ -486,11 +570,14 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     qc = jnp.pad(qp[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g), (0, 0)))
     lc = jnp.pad(lse2[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g)),
                  constant_values=jnp.inf)
-    kernel = functools.partial(_weights_kernel, sm_scale=scale, first_row=rows[0])
+    kernel = functools.partial(_weights_kernel, sm_scale=scale, first_row=first_row)
     per_head = jax.vmap(functools.partial(
         _weights_unbatched, kernel=kernel, name=f"verify_attention_weights_g{g}", r_rows=None,
-        **common))(qc, lc, k, lengths)
-  seen_by_all = jnp.arange(s)[None] <= (lengths + rows[0])[:, None]
+        **common))(qc, lc, k, weights_bound)
+  if tree is None:
+    seen_by_all = jnp.arange(s)[None] <= (lengths + rows[0])[:, None]
+  else:
+    seen_by_all = _tree_visible(lengths, common_bits[:, None], s)[:, 0]   # [B,S]
   mean = jnp.sum(per_head, axis=1) * (1.0 / (len(rows) * hq))
   scores = jnp.where(seen_by_all, mean, NEG_INF).astype(jnp.bfloat16)
   return out, scores

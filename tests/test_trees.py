@@ -381,12 +381,13 @@ def test_bad_arguments():
 
 
 # ----------------------------------------------------------------------------------------------
-# Verification attention with a tree mask (the pure-JAX reference)
+# Verification attention with the tree's ancestor bits (the pure-JAX reference; the kernels:
+# test_tree_attention.py)
 
 @pytest.mark.parametrize("order", ["bfs", "dfs"])
 def test_tree_verification_equals_verifying_each_path(order):
-  """One pass over the flattened tree with its mask gives, on each root-to-leaf path's rows, what
-  verifying that path alone as a chain (its K/V contiguous after the prefix) gives."""
+  """One pass over the flattened tree with its ancestor bits gives, on each root-to-leaf path's
+  rows, what verifying that path alone as a chain (its K/V contiguous after the prefix) gives."""
   from pallas_kernels.verify_attention import verify_attention_reference as ref
   tree = Tree.from_widths((2, 2, 1), order=order)
   t, b, s, hq, hkv, d = tree.size, 2, 40, 4, 2, 16
@@ -397,8 +398,8 @@ def test_tree_verification_equals_verifying_each_path(order):
   prefix_k, prefix_v = normal(b, s, hkv, d), normal(b, s, hkv, d)
   at = lengths[:, None] + jnp.arange(t)
   k, v = kv_cache.write(prefix_k, node_k, at), kv_cache.write(prefix_v, node_v, at)
-  out, scores = ref(q, k, v, lengths, tree_mask=jnp.asarray(tree.mask), score_kind="weights",
-                    per_row=True)
+  out, scores = ref(q, k, v, lengths, tree_bits=jnp.asarray(tree.ancestor_bits),
+                    score_kind="weights", per_row=True)
   for path in tree.paths():
     path = list(path)
     at = lengths[:, None] + jnp.arange(len(path))
@@ -410,8 +411,8 @@ def test_tree_verification_equals_verifying_each_path(order):
       n = int(lengths[i])
       np.testing.assert_allclose(np.asarray(scores[i, path, :n], np.float32),
                                  np.asarray(want_scores[i, :, :n], np.float32), rtol=1e-2)
-  # the chain's mask is the causal rule
-  chain = jnp.asarray(Tree.chain(t - 1).mask)
-  np.testing.assert_array_equal(ref(q, k, v, lengths, tree_mask=chain)[0], ref(q, k, v, lengths)[0])
-  with pytest.raises(ValueError, match="tree_mask"):
-    ref(q, k, v, lengths, tree_mask=chain[:-1])
+  # the chain's bits are the causal rule
+  chain = jnp.asarray(Tree.chain(t - 1).ancestor_bits)
+  np.testing.assert_array_equal(ref(q, k, v, lengths, tree_bits=chain)[0], ref(q, k, v, lengths)[0])
+  with pytest.raises(ValueError, match="tree_bits"):
+    ref(q, k, v, lengths, tree_bits=chain[:-1])

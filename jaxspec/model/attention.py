@@ -6,7 +6,8 @@ The plan says *what* (one small type per mode, each field meaning one thing); th
 This is the only place that chooses between the references and the kernels of `pallas_kernels/`.
 
 The T new queries of a call sit in cache slots lengths .. lengths + T - 1 and query t sees every
-key up to its own slot (a chain: plain decoding, drafting and verification all are).
+key up to its own slot (a chain: plain decoding, drafting and verification all are), unless the
+plan carries `tree_bits`.
 
 Plans:
   Prefill      the cache is empty for these sequences: causal self-attention over right-padded
@@ -18,6 +19,11 @@ Plans:
                the policies' selection *is* this plan.
   QuestPages   one new query against the Quest-selected pages plus the dense tail: the page scores
                are computed here from the current query and per-page key summaries.
+Dense and Sparse take an optional `tree_bits` [T] or [B, T] int32 (a draft tree's
+`Tree.ancestor_bits`, shared by all layers): query t then sees what the plan shows it before
+`lengths` and key lengths + i iff bit i of tree_bits[t] is set (i < 32), instead of the causal
+rule. The T rows need not be the whole window the bits address (one level of a tree whose
+shallower nodes are already in the cache); every key they name must be written.
 Per-layer arrays carry a leading layer axis; `for_layer(i)` picks layer i.
 """
 from __future__ import annotations
@@ -77,6 +83,7 @@ class Prefill:
 @struct.dataclass
 class Dense:
   scores: ScoreSpec | None = struct.field(pytree_node=False, default=None)
+  tree_bits: jax.Array | None = None                     # [T] or [B, T] int32; None: a chain
 
   def for_layer(self, i: int) -> "Dense":
     return self
@@ -86,10 +93,12 @@ class Dense:
 class Sparse:
   """Each layer's queries see indices[:counts] (positions before tail_start) and every position
   from tail_start on. indices [L, B, K] or per KV head [L, B, Hkv, K]; counts [L, B] or
-  [L, B, Hkv] valid entries; tail_start [B]."""
+  [L, B, Hkv] valid entries; tail_start [B]; tree_bits [T] or [B, T] int32 (not per layer): the
+  positions from lengths on follow the tree's bits (the indices must then be < lengths)."""
   indices: jax.Array
   counts: jax.Array
   tail_start: jax.Array
+  tree_bits: jax.Array | None = None
 
   def for_layer(self, i: int) -> "Sparse":
     return self.replace(indices=self.indices[i], counts=self.counts[i])
@@ -128,16 +137,18 @@ def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
     kw = {} if spec is None else dict(score_kind=spec.kind, score_rows=spec.rows,
                                       per_row=spec.per_row)
     if kernel:
-      return _verify.verify_attention(q, k_cache, v_cache, lengths, interpret=interpret, **kw)
-    return _verify.verify_attention_reference(q, k_cache, v_cache, lengths, **kw)
+      return _verify.verify_attention(q, k_cache, v_cache, lengths, interpret=interpret,
+                                      tree_bits=plan.tree_bits, **kw)
+    return _verify.verify_attention_reference(q, k_cache, v_cache, lengths,
+                                              tree_bits=plan.tree_bits, **kw)
   if isinstance(plan, QuestPages):
     plan = _quest_pages(q, k_cache, plan)
   if not isinstance(plan, Sparse):
     raise TypeError(f"unknown attention plan {type(plan).__name__}")
   args = (q, k_cache, v_cache, plan.indices, plan.counts, plan.tail_start, lengths)
   if kernel:
-    return _sparse.sparse_attention(*args, interpret=interpret), None
-  return _sparse.sparse_attention_reference(*args), None
+    return _sparse.sparse_attention(*args, interpret=interpret, tree_bits=plan.tree_bits), None
+  return _sparse.sparse_attention_reference(*args, tree_bits=plan.tree_bits), None
 
 
 def _quest_pages(q: jax.Array, k_cache: jax.Array, plan: QuestPages) -> Sparse:
