@@ -84,6 +84,7 @@ class Prefill:
 class Dense:
   scores: ScoreSpec | None = struct.field(pytree_node=False, default=None)
   tree_bits: jax.Array | None = None                     # [T] or [B, T] int32; None: a chain
+  tree_offset: int = struct.field(pytree_node=False, default=0)   # see `attend`
 
   def for_layer(self, i: int) -> "Dense":
     return self
@@ -99,6 +100,7 @@ class Sparse:
   counts: jax.Array
   tail_start: jax.Array
   tree_bits: jax.Array | None = None
+  tree_offset: int = struct.field(pytree_node=False, default=0)   # see `attend`
 
   def for_layer(self, i: int) -> "Sparse":
     return self.replace(indices=self.indices[i], counts=self.counts[i])
@@ -127,8 +129,14 @@ def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
            ) -> tuple[jax.Array, jax.Array | None]:
   """q/k_new/v_new [B, T, H, D] (the new tokens; their K/V already written into the cache),
   lengths [B] the valid entries before them. Returns (out [B, T, Hq, D], scores or None):
-  scores [B, S] bf16 for a `ScoreSpec` of summed rows, [B, T, S] with `per_row`."""
+  scores [B, S] bf16 for a `ScoreSpec` of summed rows, [B, T, S] with `per_row`.
+
+  With `tree_bits` the bits address a window that starts `plan.tree_offset` slots before the new
+  rows (a tree level drafted after `tree_offset` shallower nodes), so the kernels take that
+  window's start as their `lengths`."""
   kernel = backend != "reference"
+  if isinstance(plan, (Dense, Sparse)) and plan.tree_bits is not None:
+    lengths = lengths - plan.tree_offset
   interpret = backend == "interpret"
   if isinstance(plan, Prefill):
     return _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend)
