@@ -43,7 +43,7 @@ def vanilla(model, prompts):
 
 
 def run(model, prompts, method, sampling=SamplingParams(), **kw):
-  runner = Runner(model, method=method, sampling=sampling, **COMMON, **kw)
+  runner = Runner(model, method=method, sampling=sampling, **{**COMMON, **kw})
   return runner.generate(prompts, max_new_tokens=MAX_NEW, chunk=3, seed=4)
 
 
@@ -62,6 +62,16 @@ def test_greedy_tree_decoding_equals_vanilla(model, draft_model, prompts, vanill
   assert stats.extra["verify_rounds"] > 0
   if drafter == "self":   # every round accepts the main path in full
     assert stats.extra["mean_accepted_tokens"] > 3.5
+
+
+@pytest.mark.parametrize("method", ["vegas", "streaming"])
+def test_the_kernels_run_trees_through_the_model(prompts, method):
+  """The interpret backend: the verify kernel with tree bits and Collect-2 scores on the main
+  path, the sparse kernel drafting each level against its window (head_dim 16: tl.dot's least)."""
+  model = init_random(dataclasses.replace(CFG, head_dim=16), dtype=jnp.float32, seed=5)
+  want, _ = generate(model, prompts[:2], max_new_tokens=MAX_NEW, cache_dtype=jnp.float32)
+  out, _ = run(model, prompts[:2], method, tree=(2, 2, 1), tree_order="dfs", backend="interpret")
+  assert out == want
 
 
 @pytest.mark.parametrize("method, drafter", [("vegas", None), ("draft", "small"),
@@ -112,3 +122,15 @@ def test_a_round_leaves_both_caches_as_plain_decoding_would(model, prompts, orde
 def test_bad_trees_raise_one_line(model, kwargs, match):
   with pytest.raises(ValueError, match=match):
     Runner(model, **kwargs)
+
+
+def test_serving_and_phase_timing_with_a_tree(model, prompts, vanilla):
+  """Continuous batching refills slots of a tree run; the phase timer runs its three phases."""
+  runner = Runner(model, method="vegas", tree=(2, 1), **COMMON)
+  got = {}
+  runner.serve(prompts, 2, MAX_NEW, max_len=max(PROMPT_LENS) + MAX_NEW, chunk=2, warmup_s=0.0,
+               measure_s=1e9, on_finish=lambda req, tokens: got.setdefault(req, tokens.tolist()))
+  assert [got[i] for i in range(len(prompts))] == vanilla
+  prof = runner.profile_rounds(prompts, rounds=2, warmup=1)
+  assert all(prof[f"{k}_share"] > 0 for k in ("draft", "verify", "select"))
+  assert 1 <= prof["mean_accepted_tokens"] <= 3 and len(prof["acceptance_by_position"]) == 2
