@@ -416,3 +416,13 @@ def test_tree_verification_equals_verifying_each_path(order):
   np.testing.assert_array_equal(ref(q, k, v, lengths, tree_bits=chain)[0], ref(q, k, v, lengths)[0])
   with pytest.raises(ValueError, match="tree_bits"):
     ref(q, k, v, lengths, tree_bits=chain[:-1])
+
+
+def test_bfs_index_maps_each_node_to_its_breadth_first_place():
+  tree = Tree.from_widths((2, 2, 1), "dfs")
+  bfs, at = tree.flatten("bfs"), tree.bfs_index
+  assert sorted(at.tolist()) == list(range(tree.size)) and at[0] == 0
+  for i in range(1, tree.size):
+    assert bfs.parents[at[i]] == at[tree.parents[i]]
+    assert bfs.depths[at[i]] == tree.depths[i]
+  assert (Tree.from_widths((2, 2, 1)).bfs_index == np.arange(tree.size)).all()

@@ -22,7 +22,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from jaxspec.drafting import trees
@@ -82,10 +81,7 @@ class DraftModelDrafter:
     dm = state.drafter.replace(prev_token=prev)
     tree = config.tree
     if tree is not None:   # the draft cache holds the tree breadth-first: compact that layout
-      bfs = tree.flatten("bfs")
-      to_bfs = np.empty(tree.size, np.int32)
-      to_bfs[tree.permutation("bfs")] = np.arange(tree.size)
-      last = jnp.asarray(to_bfs)[last_node]
+      bfs, last = tree.flatten("bfs"), jnp.asarray(tree.bfs_index)[last_node]
       dm = dm.replace(cache=dm.cache.replace(
           k=trees.compact_layers(dm.cache.k, first_row, bfs, last),
           v=trees.compact_layers(dm.cache.v, first_row, bfs, last)))

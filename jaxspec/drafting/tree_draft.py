@@ -62,9 +62,7 @@ def draft_tree(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan,
   row i the distribution node i's children were drawn from (zeros for leaves), or None when
   greedy). Depth d uses the d-th of tree.depth keys split from `key`, as chain step d does.
   """
-  bfs = tree.flatten("bfs")
-  to_bfs = np.empty(tree.size, np.int32)
-  to_bfs[tree.permutation("bfs")] = np.arange(tree.size)            # tree index -> bfs index
+  bfs, to_bfs = tree.flatten("bfs"), tree.bfs_index
   depths = np.asarray(bfs.depths)
   start, t0 = cache.lengths, first.shape[1]
   base = start + t0 - 1                                              # the root's slot

@@ -97,6 +97,13 @@ class Tree:
         stack.extend(reversed(self.children[out[-1]]))
     return _const(np.asarray(out, np.int32))
 
+  @functools.cached_property
+  def bfs_index(self) -> np.ndarray:
+    """[T] int32: each node's index in this tree's breadth-first flattening (`flatten('bfs')`)."""
+    out = np.empty(self.size, np.int32)
+    out[self.permutation("bfs")] = np.arange(self.size)
+    return _const(out)
+
   # --- structure
 
   @property

@@ -17,6 +17,11 @@ not yet in the cache):
   update     the drafter brings its state in line with what was accepted (the next round's KV
              selection; the draft model's cache).
 
+With a draft tree (`RunConfig.tree`) the drafter proposes the tree's nodes (one batched step per
+depth), verification feeds all of them under the tree's attention mask, acceptance walks the tree
+(`tree_acceptance`), and the accepted path's K/V move to the slots after the root, so the cache
+and the drafter see a chain's layout again.
+
 `speculative_chunk` runs up to `rounds` rounds in one `lax.while_loop`; the runner compiles it with
 the state (and so both caches) donated: no host round-trip per round.
 
