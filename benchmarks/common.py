@@ -17,8 +17,10 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.sharding import HEADS
 from jaxspec.engine.state import DecodeState
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
@@ -168,21 +170,26 @@ def write_json(path: str, payload: dict) -> None:
   os.replace(tmp, path)
 
 
-def load(spec: str):
+def load(spec: str, tp: int = 1):
+  """(model, 'random weights' | 'real weights') for a jaxspec model spec or random:<shape>,
+  sharded over `tp` devices."""
   if spec.startswith("random:"):
     shape = spec.split(":", 1)[1]
     if shape not in SHAPES:
       raise ValueError(f"unknown random-weight shape {shape!r}; known: {', '.join(SHAPES)}")
-    return init_random(SHAPES[shape], dtype=jnp.bfloat16), "random weights"
+    return init_random(SHAPES[shape], dtype=jnp.bfloat16, tp=tp), "random weights"
   from jaxspec.io.loading import load_model
-  return load_model(spec, dtype=jnp.bfloat16).model, "real weights"
+  return load_model(spec, dtype=jnp.bfloat16, tp=tp).model, "real weights"
 
 
-def filled_state(cfg, batch: int, context: int, capacity: int, steps_total: int, seed: int = 0):
-  """A decode state whose cache holds `context` random tokens per sequence."""
+def filled_state(cfg, batch: int, context: int, capacity: int, steps_total: int, seed: int = 0,
+                 mesh=None):
+  """A decode state whose cache holds `context` random tokens per sequence (on a tensor-parallel
+  `mesh`, each device drawing its own KV heads)."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 2 * cfg.num_layers)
   shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-  fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16))
+  out = None if mesh is None else NamedSharding(mesh, HEADS)
+  fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16), out_shardings=out)
   ks = tuple(fill(k) for k in keys[:cfg.num_layers])
   vs = tuple(fill(k) for k in keys[cfg.num_layers:])
   cache = KVCache(k=ks, v=vs, lengths=jnp.full((batch,), context, jnp.int32))

@@ -5,6 +5,7 @@
   python -m benchmarks.throughput --model=qwen2.5-coder-0.5b --workload=long --batch=16
   python -m benchmarks.throughput --model=qwen2.5-coder-0.5b --workload=continuation --batch=16
   python -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4
+  python -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4 --tp=2
 
 Workloads (`benchmarks.workloads`):
   short         AIME25 + GSM8K with the chat template, --max_new_tokens 4096 (short input, long
@@ -40,6 +41,8 @@ shares (`Runner.time_phases`) over a few rounds of the serving batch as it stand
 the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its
 own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
 (gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer).
+--tp=N shards the model (and the draft model) over N devices (`jaxspec.model.sharding`); the
+copy ceiling in the JSON is still one device's.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.state import SpecState, capacity_for
 from jaxspec.io.loading import check_draft_pair
 from jaxspec.model.attention import default_backend
+from jaxspec.model.sharding import make_mesh
 
 WORKLOADS = [*workloads.WORKLOADS, "scale"]
 DEFAULT_MAX_NEW = {"short": 4096, "long": 1024, "continuation": 1024}
@@ -111,6 +115,7 @@ _PROFILE = flags.DEFINE_bool("profile", True, "measure phase time shares (specul
 _PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existing JSON and exit")
 _OUT = flags.DEFINE_string("out", None,
                            "JSON path (default benchmarks/out/throughput_<workload>.json)")
+_TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: devices to shard the model over")
 
 
 def parse_entry(entry: str) -> tuple[str, float, int]:
@@ -164,14 +169,14 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
   policy's first selection, from random stand-in scores (random like the weights); for a draft
   model its cache filled likewise."""
   cap = capacity_for(max_len, runner.spare)
-  cfg = runner.model.cfg
-  ds = filled_state(cfg, batch, context, cap, steps_total)
+  cfg, mesh = runner.model.cfg, runner.mesh
+  ds = filled_state(cfg, batch, context, cap, steps_total, mesh=mesh)
   if not runner.speculative:
     return ds
   config = runner.config(cap)
   if runner.method == "draft":
     drafter = DraftModelState(cache=filled_state(runner.draft_model.cfg, batch, context - 1, cap,
-                                                 steps_total, seed=1).cache,
+                                                 steps_total, seed=1, mesh=mesh).cache,
                               prev_token=jnp.ones((batch,), jnp.int32))
   else:
     scores = None
@@ -312,18 +317,22 @@ def main(argv):
                                    workloads.LONG_ROOM if workload == "long" else 0)
     except ValueError as e:
       cli.fail(prog, str(e))
+  try:
+    make_mesh(_TP.value)   # too few devices: one line before anything loads
+  except ValueError as e:
+    cli.fail(prog, str(e))
   backend = default_backend()
   out_path = _OUT.value or f"benchmarks/out/throughput_{workload}.json"
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
   header = dict(device=device_name(), commit=git_commit(), model=_MODEL.value,
                 workload=workload, batch=_BATCH.value, sparsity=_SPARSITY.value,
-                min_tokens=_MIN_TOKENS.value, backend=backend,
+                min_tokens=_MIN_TOKENS.value, backend=backend, tp=_TP.value,
                 sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=_SEED.value),
                 argv=" ".join(sys.argv))
   if workload == "scale":
-    model, _ = load(_MODEL.value)
-    draft_model = load(_DRAFT_MODEL.value)[0] if _DRAFT_MODEL.value else None
+    model, _ = load(_MODEL.value, _TP.value)
+    draft_model = load(_DRAFT_MODEL.value, _TP.value)[0] if _DRAFT_MODEL.value else None
     bw, rates_gbps = copy_ceiling()
     header.update(copy_gbps=bw / 1e9, copy_rates_gbps=rates_gbps,
                   eos="not applicable: random weights, a fixed number of steps per call")
@@ -332,10 +341,10 @@ def main(argv):
     write_json(out_path, dict(header, rows=rows))
     return
   from jaxspec.io.loading import load_model
-  loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
+  loaded = load_model(_MODEL.value, dtype=jnp.bfloat16, tp=_TP.value)
   draft_model = None
   if _DRAFT_MODEL.value:
-    draft = load_model(_DRAFT_MODEL.value, dtype=jnp.bfloat16)
+    draft = load_model(_DRAFT_MODEL.value, dtype=jnp.bfloat16, tp=_TP.value)
     check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
     draft_model = draft.model
   max_new = _MAX_NEW.value or DEFAULT_MAX_NEW[workload]

@@ -6,6 +6,7 @@
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=draft \
       --draft_model=qwen2.5-coder-0.5b --gamma=4 --prompt "..."
   python -m jaxspec.generate --method=vegas --tree=2,2,1,1 --prompt "..."   # a draft tree
+  python -m jaxspec.generate --model=qwen2.5-coder-1.5b --tp=2 --prompt "..."   # two devices
 
 Text goes to stdout (streamed per chunk of decode steps for a single prompt; for a batch, each
 completion is printed when it finishes), one stats line to stderr. Speculative methods are
@@ -63,6 +64,8 @@ _TREE_ORDER = flags.DEFINE_enum("tree_order", "bfs", ["bfs", "dfs"],
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "fraction of the KV cache drafts attend to")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas criticality scores")
+_TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: shard the model (and the draft model) "
+                           "over this many devices, by attention head and MLP column")
 
 
 def fail(message: str):
@@ -166,6 +169,7 @@ def check_flags() -> SamplingParams:
       raise ValueError("--method=draft needs --draft_model")
     if _METHOD.value != "draft" and _DRAFT_MODEL.value is not None:
       raise ValueError(f"--draft_model is only for --method=draft, not --method={_METHOD.value}")
+    requests.check_count("--tp", _TP.value)
   except ValueError as e:
     fail(str(e))
   return sampling
@@ -180,10 +184,10 @@ def main(argv):
   from jaxspec.io.loading import apply_chat_template, check_draft_pair, load_model
   dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
   try:
-    loaded = load_model(_MODEL.value, dtype=dtype)
+    loaded = load_model(_MODEL.value, dtype=dtype, tp=_TP.value)
     draft = None
     if _DRAFT_MODEL.value is not None:
-      draft = load_model(_DRAFT_MODEL.value, dtype=dtype)
+      draft = load_model(_DRAFT_MODEL.value, dtype=dtype, tp=_TP.value)
       check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
   except (OSError, ValueError) as e:
     fail(str(e))

@@ -18,7 +18,8 @@ after masking, before softmax and before the 1/sqrt(D) scale) or the softmax wei
 exp(scale * q.k - lse) (`score_kind='weights'`). Keys not visible to every collected row get -inf.
 `score_rows` picks the rows (negative indices count from T): (0, -1) is Vegas's Collect-2-Query
 (first draft + bonus), None is every row. `per_row=True` gives [B, T, S] instead, each query row's
-own scores (for the policies keyed on the last accepted token).
+own scores (for the policies keyed on the last accepted token). `score_dtype=jnp.float32` returns
+them before the bf16 rounding (tensor parallelism averages the devices' float32 means first).
 
 Kernel (`verify_attention`), flash-decoding. Decoding and verification are bound by the bytes of
 the cache, so the tiling reads every K/V byte from HBM once, however many query rows there are:
@@ -104,12 +105,14 @@ def _tree_visible(lengths: jax.Array, bits: jax.Array, s: int) -> jax.Array:
   return (j < at) | online_softmax.window_visible(bits[:, :, None], j, at)
 
 
-@functools.partial(jax.jit, static_argnames=("score_kind", "score_rows", "sm_scale", "per_row"))
+@functools.partial(jax.jit, static_argnames=("score_kind", "score_rows", "sm_scale", "per_row",
+                                             "score_dtype"))
 def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = None,
                                score_rows: tuple[int, ...] | None = (0, -1),
                                sm_scale: float | None = None, per_row: bool = False,
-                               tree_bits: jax.Array | None = None):
-  """Pure-JAX reference. Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16 or None).
+                               tree_bits: jax.Array | None = None, score_dtype=jnp.bfloat16):
+  """Pure-JAX reference. Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] in `score_dtype`
+  (bf16) or None).
 
   per_row: scores [B,T,S] instead, one row per query row t (mean over the Hq heads of that row's
   logits or weights; -inf on the keys it does not see); `score_rows` is then unused.
@@ -139,12 +142,12 @@ def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = Non
       raise ValueError(f"score_kind must be 'logits' or 'weights', got {score_kind!r}")
     per = logits if score_kind == "logits" else probs                    # [B,Hkv,G,T,S]
     if per_row:
-      scores = jnp.where(visible, per.mean(axis=(1, 2)), NEG_INF).astype(jnp.bfloat16)
+      scores = jnp.where(visible, per.mean(axis=(1, 2)), NEG_INF).astype(score_dtype)
     else:
       rows = jnp.asarray(normalize_rows(score_rows, t))
       mean = per[:, :, :, rows].mean(axis=(1, 2, 3))                     # [B,S]
       seen_by_all = visible[:, rows].all(axis=1)                         # [B,S]
-      scores = jnp.where(seen_by_all, mean, NEG_INF).astype(jnp.bfloat16)
+      scores = jnp.where(seen_by_all, mean, NEG_INF).astype(score_dtype)
   return out.astype(q.dtype), scores
 
 
@@ -459,19 +462,20 @@ def _row_queries(qp: jax.Array, t: int, g: int, r_rows: int, dtype) -> jax.Array
 
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
-    "num_warps", "num_stages"))
+    "num_warps", "num_stages", "score_dtype"))
 def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      score_kind: str | None = None,
                      score_rows: tuple[int, ...] | None = (0, -1),
                      sm_scale: float | None = None, per_row: bool = False,
                      interpret: bool = False, block_k: int | None = None,
                      num_splits: int | None = None, num_warps: int = 4,
-                     num_stages: int = 3, tree_bits: jax.Array | None = None
-                     ) -> tuple[jax.Array, jax.Array | None]:
+                     num_stages: int = 3, tree_bits: jax.Array | None = None,
+                     score_dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array | None]:
   """Pallas flash-decoding verification attention; same contract as verify_attention_reference,
   `tree_bits` included (None compiles the chain's kernels, unchanged).
 
-  Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] bf16, [B,T,S] with `per_row`, or None).
+  Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] in `score_dtype` (bf16), [B,T,S] with
+  `per_row`, or None).
   Per-row 'logits' come from the main pass (each row's head-summed query, as for Collect-2);
   per-row 'weights' from a second pass over K, like the collected 'weights'. Knobs: `block_k` keys per
   tile (power of two >= 16; default 128, or 64 with 'logits' scores at head_dim < 128, at most
@@ -551,7 +555,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       visible = jnp.arange(s)[None, None] <= (lengths[:, None] + jnp.arange(t))[:, :, None]
     else:
       visible = _tree_visible(lengths, bits, s)
-    return out, jnp.where(visible, mean, NEG_INF).astype(jnp.bfloat16)
+    return out, jnp.where(visible, mean, NEG_INF).astype(score_dtype)
 
   weights_bound, first_row = lengths, rows[0]
   if tree is not None:
@@ -579,5 +583,5 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   else:
     seen_by_all = _tree_visible(lengths, common_bits[:, None], s)[:, 0]   # [B,S]
   mean = jnp.sum(per_head, axis=1) * (1.0 / (len(rows) * hq))
-  scores = jnp.where(seen_by_all, mean, NEG_INF).astype(jnp.bfloat16)
+  scores = jnp.where(seen_by_all, mean, NEG_INF).astype(score_dtype)
   return out, scores

@@ -52,7 +52,7 @@ class DraftModelDrafter:
             state: DecodeState, scores: None, config: RunConfig) -> DraftModelState:
     """Prefill the draft model on the same prompts."""
     b, t = prompts.shape
-    cache = KVCache.create(draft.cfg, b, config.capacity, config.cache_dtype)
+    cache = KVCache.create(draft.cfg, b, config.capacity, config.cache_dtype, draft.mesh)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     _, cache, _ = draft(prompts, positions, cache, Prefill(query_lens=prompt_lens), config.backend)
     prev = jnp.take_along_axis(prompts, (prompt_lens - 1)[:, None], axis=1)[:, 0]

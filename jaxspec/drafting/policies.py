@@ -46,7 +46,10 @@ Streaming and quest need no scores.
 
 `backend` (bound once, by the engine) picks the top-k implementation: the Pallas kernel on the
 'pallas' backend when there are enough rows to fill a GPU, always on 'interpret' (so that CPU tests
-run it), the XLA threshold select otherwise.
+run it), the XLA threshold select otherwise. `mesh` (the model's tensor-parallel mesh, or None) is
+where the scores live: they arrive replicated (summed across devices in the attention dispatch),
+and every device selects the same positions from them; the Pallas top-k, which XLA cannot
+partition, runs under `shard_map` on each device's full copy.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxspec.drafting import pages
 from jaxspec.model.attention import Dense as DensePlan
@@ -85,7 +89,8 @@ _TOPK_KERNEL_MIN_ROWS = 256
 
 
 def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_tokens: int,
-                   k_max: int, backend: str = "reference") -> tuple[jax.Array, jax.Array]:
+                   k_max: int, backend: str = "reference", mesh: Mesh | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
   """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B]),
   k = `budget(prefix, ratio, min_tokens, k_max)` positions per sequence in every layer.
 
@@ -93,7 +98,8 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
   position, positions ascending; at 24 layers x 64 sequences x 33K positions `lax.top_k` sorts
   every row, benchmarks/RESULTS.md): its Pallas kernel for bf16 scores on the 'pallas' backend
   from `_TOPK_KERNEL_MIN_ROWS` rows up (one program a row leaves most SMs idle below that) and
-  always on 'interpret', its XLA form otherwise. Both return the same indices.
+  always on 'interpret', its XLA form otherwise. Both return the same indices. On a `mesh` the
+  kernel runs under shard_map, each device over all rows of its (replicated) copy of the scores.
   """
   n_layers, b, s = scores.shape
   bf16 = scores.dtype == jnp.bfloat16
@@ -104,8 +110,12 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
   else:
     method, interpret = "threshold", False
   k = jnp.tile(budget(prefix, ratio, min_tokens, k_max), n_layers)     # [L * B]
-  idx = _topk.topk_select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers), k,
-                          k_max=k_max, method=method, interpret=interpret)
+
+  def select(scores, lengths, k):
+    return _topk.topk_select(scores, lengths, k, k_max=k_max, method=method, interpret=interpret)
+  if mesh is not None and method == "pallas":
+    select = jax.shard_map(select, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+  idx = select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers), k)
   return idx.reshape(n_layers, b, k_max), k.reshape(n_layers, b)
 
 
@@ -124,6 +134,7 @@ class SelectionPolicy:
   k_max: int = 256
   score_kind: str = "logits"
   backend: str = "reference"
+  mesh: Mesh | None = None
   name: ClassVar[str] = ""
 
   @property
@@ -165,7 +176,7 @@ class Vegas(SelectionPolicy):
   def select_kv(self, cache, scores, first_row, accepted):
     prefix = first_row + 1
     idx, cnt = per_layer_topk(scores, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
-                              k_max=self.k_max, backend=self.backend)
+                              k_max=self.k_max, backend=self.backend, mesh=self.mesh)
     return Sparse(indices=idx, counts=cnt, tail_start=prefix)
 
 
@@ -191,7 +202,8 @@ class VegasLast(SelectionPolicy):
   def select_kv(self, cache, scores, first_row, accepted):
     prefix = first_row + accepted + 1        # the keys that row saw: the whole accepted prefix
     idx, cnt = per_layer_topk(_row_of_last_accepted(scores, accepted), prefix, ratio=self.ratio,
-                              min_tokens=self.min_tokens, k_max=self.k_max, backend=self.backend)
+                              min_tokens=self.min_tokens, k_max=self.k_max, backend=self.backend,
+                              mesh=self.mesh)
     return Sparse(indices=idx, counts=cnt, tail_start=prefix)
 
 
@@ -274,8 +286,9 @@ def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str) -> 
 
 
 def make_policy(method: str, *, ratio: float, min_tokens: int, k_max: int,
-                score_kind: str = "logits", backend: str = "reference") -> SelectionPolicy:
+                score_kind: str = "logits", backend: str = "reference",
+                mesh: Mesh | None = None) -> SelectionPolicy:
   """The policy for a self-drafting method name."""
   validate(method, ratio=ratio, min_tokens=min_tokens, score_kind=score_kind)
   return POLICIES[method](ratio=float(ratio), min_tokens=min_tokens, k_max=k_max,
-                          score_kind=score_kind, backend=check_backend(backend))
+                          score_kind=score_kind, backend=check_backend(backend), mesh=mesh)

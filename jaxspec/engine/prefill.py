@@ -23,7 +23,7 @@ def prefill(target: Transformer, draft: Transformer | None, prompts: jax.Array,
   for the score-based self-drafting policies) and hands them to `drafter.start`.
   """
   b, t = prompts.shape
-  cache = KVCache.create(target.cfg, b, config.capacity, config.cache_dtype)
+  cache = KVCache.create(target.cfg, b, config.capacity, config.cache_dtype, target.mesh)
   drafter = config.drafter
   plan = Prefill(query_lens=prompt_lens, scores=drafter.prefill_scores if drafter else None)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -14,6 +14,10 @@ Methods (`METHODS`): 'none' is vanilla decoding, its compiled step the plain one
 baseline every speedup is measured against); 'draft' drafts with a separate draft model; the rest
 are self-drafting policies (`jaxspec.drafting.policies`).
 
+Tensor parallelism: `Runner(model, tp=N)` places the model (and the draft model) on a `tp` mesh of
+N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned by XLA, with the
+attention kernels under `shard_map`. A model loaded with `load_model(..., tp=N)` is already placed.
+
 Greedy speculative output equals vanilla greedy output exactly in float32. In bfloat16 the
 verification pass (gamma + 1 rows) and the one-token step round differently, so texts can part
 at near-ties. Sampled output follows the same distribution as vanilla sampling.
@@ -45,6 +49,7 @@ from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.speculative import acceptance_summary, speculative_chunk, verify
 from jaxspec.engine.state import SpecState, capacity_for, decode_state, make_batch
 from jaxspec.engine.vanilla import decode_chunk
+from jaxspec.model import sharding
 from jaxspec.model.attention import check_backend, default_backend
 from jaxspec.model.transformer import Transformer
 
@@ -108,7 +113,9 @@ class Runner:
   pallas on a GPU); tree: draft a tree instead of a chain, given as widths per depth ((2, 2, 1, 1):
   the root's 2 children, 2 each for them, then 1 and 1) or a `drafting.trees.Tree`, verified in
   one pass in `tree_order` ('bfs' or 'dfs'); gamma is then the tree's depth (default 6 for a
-  chain). Bad arguments raise a one-line ValueError (`jaxspec.requests`).
+  chain); tp: tensor-parallel devices (both models are placed on a mesh of the first tp devices;
+  None: wherever the model already is, the draft model joining it). Bad arguments raise a one-line
+  ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
   def __init__(self, model: Transformer, *, method: str = "none", gamma: int | None = None,
@@ -116,7 +123,7 @@ class Runner:
                draft_model: Transformer | None = None, sampling: SamplingParams = SamplingParams(),
                stop_ids: Sequence[int] | None = None, cache_dtype=jnp.bfloat16,
                backend: str | None = None, tree: Sequence[int] | Tree | None = None,
-               tree_order: str = "bfs"):
+               tree_order: str = "bfs", tp: int | None = None):
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "draft" and draft_model is None:
@@ -143,6 +150,11 @@ class Runner:
     self.stop_ids = requests.check_stop_ids(stop_ids, model.cfg)
     self.cache_dtype = requests.check_dtype("cache_dtype", cache_dtype).name
     self.backend = check_backend(backend or default_backend())
+    self.mesh = model.mesh if tp is None else sharding.make_mesh(tp)
+    if draft_model is not None:
+      sharding.check_divides(draft_model.cfg, self.mesh, "the draft model")
+      draft_model = sharding.shard_model(draft_model, self.mesh)
+    model = sharding.shard_model(model, self.mesh)
     self.model, self.draft_model = model, draft_model
     target_gd, target_params = nnx.split(model)
     draft_gd, draft_params = nnx.split(draft_model) if draft_model is not None else (None, None)
@@ -168,7 +180,7 @@ class Runner:
       drafter = SelfDrafter(policies.make_policy(
           self.method, ratio=self.sparsity, min_tokens=self.min_tokens,
           k_max=policies.static_k_max(capacity, self.sparsity, self.min_tokens),
-          score_kind=self.score_kind, backend=self.backend))
+          score_kind=self.score_kind, backend=self.backend, mesh=self.mesh))
     return RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                      backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
                      drafter=drafter, tree=self.tree)
@@ -187,8 +199,10 @@ class Runner:
   def _compile(self, jitted, *args, **static):
     """(compiled callable on the non-static args, seconds spent compiling: 0 when cached)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
+    # The sharding too: an executable refuses arguments placed otherwise than it was compiled for.
     key = (jitted, treedef, tuple(sorted(static.items(), key=lambda kv: kv[0])),
-           tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x)))) for x in leaves))
+           tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
+                  getattr(x, "sharding", None)) for x in leaves))
     if key in self._compiled:
       return self._compiled[key], 0.0
     t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """`load_model(spec)`: one entry point for every way of naming a model.
 
 spec is a jaxspec checkpoint dir (the fast path), a HF safetensors dir, a .gguf file, or a demo
-name from `jaxspec.fetch.DEMOS` (fetched and converted into checkpoints/ on first use).
+name from `jaxspec.fetch.DEMOS` (fetched and converted into checkpoints/ on first use). With tp > 1
+the weights go straight into their tensor-parallel shards (`jaxspec.model.sharding`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxspec import fetch as fetch_lib
 from jaxspec import requests
+from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import Transformer
 from jaxspec.io.weights import WeightsError, source_kind
@@ -39,10 +41,14 @@ class LoadedModel:
     return tuple(sorted(set(self.cfg.eos_token_ids) | ({tok_eos} - {None})))
 
 
-def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False) -> LoadedModel:
+def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False,
+               tp: int = 1) -> LoadedModel:
   """Config, filled model at `dtype` (a floating-point dtype) and tokenizer for `spec` (see the
-  module docstring)."""
+  module docstring). tp: devices to shard the model over (the first tp devices). A tp above the
+  device count raises a one-line ValueError before anything is read, one that does not divide
+  the KV heads as soon as the config is read."""
   requests.check_dtype("dtype", dtype)
+  mesh = sharding.make_mesh(tp)
   path = Path(spec)
   if not path.exists() and str(spec) in fetch_lib.DEMOS:
     path = fetch_lib.default_checkpoint_dir() / str(spec)
@@ -55,14 +61,14 @@ def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False) 
                        f"model name ({', '.join(fetch_lib.DEMOS)})")
   kind = source_kind(path)
   if kind == "orbax":
-    cfg, model = checkpoint.load(path, dtype=dtype)
+    cfg, model = checkpoint.load(path, dtype=dtype, mesh=mesh)
     tokenizer = checkpoint.load_tokenizer(path)
   elif kind == "hf":
-    cfg, model = hf_weights.load(path, dtype=dtype, progress=progress)
+    cfg, model = hf_weights.load(path, dtype=dtype, progress=progress, mesh=mesh)
     tokenizer = hf_weights.load_tokenizer(path)
   else:
     gguf_weights.require_torch(path)   # before dequantizing, not after
-    cfg, model = gguf_weights.load(path, dtype=dtype, progress=progress)
+    cfg, model = gguf_weights.load(path, dtype=dtype, progress=progress, mesh=mesh)
     tokenizer = gguf_weights.load_tokenizer(path)
   return LoadedModel(cfg=cfg, model=model, tokenizer=tokenizer, source=path)
 

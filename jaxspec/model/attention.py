@@ -25,6 +25,15 @@ Dense and Sparse take an optional `tree_bits` [T] or [B, T] int32 (a draft tree'
 rule. The T rows need not be the whole window the bits address (one level of a tree whose
 shallower nodes are already in the cache); every key they name must be written.
 Per-layer arrays carry a leading layer axis; `for_layer(i)` picks layer i.
+
+Tensor parallelism (`jaxspec.model.sharding`): with a mesh, the head axes of q/k/v and of the KV
+cache are split over its `tp` axis. The pure-JAX references run on them under GSPMD as they are
+(XLA partitions them by head); the Pallas kernels, which XLA cannot partition, run under
+`shard_map`, each device on its own query heads and the KV heads those read. Criticality scores are
+a mean over every query head, so under `shard_map` each device returns its own heads' mean in
+float32 and a psum over the devices (equal head counts: psum / tp) gives the mean over all of them,
+rounded to bf16 once, as on one device; every device then holds the same scores and its top-k picks
+the same positions.
 """
 from __future__ import annotations
 
@@ -34,8 +43,10 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxspec.drafting import pages as _pages
+from jaxspec.model.sharding import AXIS, HEADS
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 
@@ -125,25 +136,56 @@ Plan = Union[Prefill, Dense, Sparse, QuestPages]
 
 
 def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
-           v_cache: jax.Array, lengths: jax.Array, plan: Plan, backend: str
-           ) -> tuple[jax.Array, jax.Array | None]:
+           v_cache: jax.Array, lengths: jax.Array, plan: Plan, backend: str,
+           mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array | None]:
   """q/k_new/v_new [B, T, H, D] (the new tokens; their K/V already written into the cache),
   lengths [B] the valid entries before them. Returns (out [B, T, Hq, D], scores or None):
-  scores [B, S] bf16 for a `ScoreSpec` of summed rows, [B, T, S] with `per_row`.
+  scores [B, S] bf16 for a `ScoreSpec` of summed rows, [B, T, S] with `per_row`. `mesh`: the
+  tensor-parallel mesh the head axes are split over (`Transformer.mesh`; None: one device).
 
   With `tree_bits` the bits address a window that starts `plan.tree_offset` slots before the new
   rows (a tree level drafted after `tree_offset` shallower nodes), so the kernels take that
   window's start as their `lengths`."""
-  kernel = backend != "reference"
   if isinstance(plan, (Dense, Sparse)) and plan.tree_bits is not None:
     lengths = lengths - plan.tree_offset
+  if mesh is None or backend == "reference":
+    return _attend(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend)
+
+  def per_device(q, k_new, v_new, k_cache, v_cache, lengths, plan):
+    out, scores = _attend(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend,
+                          score_dtype=jnp.float32)
+    if scores is not None:
+      scores = (jax.lax.psum(scores, AXIS) / mesh.shape[AXIS]).astype(jnp.bfloat16)
+    return out, scores
+
+  # check_vma=False: pallas_call does not declare how its outputs vary over the mesh.
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(HEADS,) * 5 + (P(), _plan_specs(plan)),
+                       out_specs=(HEADS, P()), check_vma=False)(
+                           q, k_new, v_new, k_cache, v_cache, lengths, plan)
+
+
+def _plan_specs(plan: Plan):
+  """The plan's PartitionSpecs under shard_map: per-KV-head arrays split like the cache, the rest
+  (a draft tree's bits included) replicated."""
+  if isinstance(plan, Sparse) and plan.indices.ndim == 3:         # [B, Hkv, K], counts [B, Hkv]
+    return plan.replace(indices=P(None, AXIS, None), counts=P(None, AXIS), tail_start=P(),
+                        tree_bits=None if plan.tree_bits is None else P())
+  if isinstance(plan, QuestPages):                               # page bounds [B, P, Hkv, D]
+    return plan.replace(pages=P(), tail_start=P(), page_min=HEADS, page_max=HEADS)
+  return jax.tree.map(lambda _: P(), plan)
+
+
+def _attend(q, k_new, v_new, k_cache, v_cache, lengths, plan: Plan, backend: str,
+            score_dtype=jnp.bfloat16):
+  """`attend` on one device's arrays; scores in `score_dtype`."""
+  kernel = backend != "reference"
   interpret = backend == "interpret"
   if isinstance(plan, Prefill):
-    return _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend)
+    return _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend, score_dtype)
   if isinstance(plan, Dense):
     spec = plan.scores
     kw = {} if spec is None else dict(score_kind=spec.kind, score_rows=spec.rows,
-                                      per_row=spec.per_row)
+                                      per_row=spec.per_row, score_dtype=score_dtype)
     if kernel:
       return _verify.verify_attention(q, k_cache, v_cache, lengths, interpret=interpret,
                                       tree_bits=plan.tree_bits, **kw)
@@ -172,7 +214,8 @@ def _quest_pages(q: jax.Array, k_cache: jax.Array, plan: QuestPages) -> Sparse:
   return Sparse(indices=indices, counts=counts, tail_start=plan.tail_start)
 
 
-def _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan: Prefill, backend: str):
+def _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan: Prefill, backend: str,
+             score_dtype):
   b, t = q.shape[:2]
   query_lens = jnp.full((b,), t, jnp.int32) if plan.query_lens is None else plan.query_lens
   if backend == "reference":
@@ -191,5 +234,5 @@ def _prefill(q, k_new, v_new, k_cache, v_cache, lengths, plan: Prefill, backend:
     last = jnp.take_along_axis(q, (query_lens - 1)[:, None, None, None], axis=1)
     _, scores = _verify.verify_attention_reference(
         last, k_cache, v_cache, lengths + query_lens - 1, score_kind=plan.scores.kind,
-        score_rows=(0,))
+        score_rows=(0,), score_dtype=score_dtype)
   return out, scores

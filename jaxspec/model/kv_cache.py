@@ -4,14 +4,17 @@ Static shapes (batch, capacity) are separate from traced counts (`lengths`). The
 K/V of new tokens at positions lengths[b] + t but never moves `lengths`: the caller decides how many
 of the written entries to keep (all of them for plain decoding, accepted + 1 after verification),
 so rejected drafts are dropped by lengths, never by copying the cache.
+On a tensor-parallel mesh the K/V buffers are split by KV head (`jaxspec.model.sharding`).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.sharding import HEADS, constrain
 
 
 @struct.dataclass
@@ -21,10 +24,15 @@ class KVCache:
   lengths: jax.Array         # [B] int32: valid entries per sequence
 
   @classmethod
-  def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> "KVCache":
+  def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16,
+             mesh: Mesh | None = None) -> "KVCache":
+    """Zeroed buffers; on `mesh` (the model's, `Transformer.mesh`) split by KV head."""
     shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-               v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+
+    def zeros():
+      return constrain(jnp.zeros(shape, dtype), mesh, HEADS)
+    return cls(k=tuple(zeros() for _ in range(cfg.num_layers)),
+               v=tuple(zeros() for _ in range(cfg.num_layers)),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property

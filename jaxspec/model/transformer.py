@@ -10,6 +10,10 @@ prefix length + depth), their K/V go into cache slots cache.lengths + t, and it 
 hidden states, the cache with the new K/V written (lengths unchanged: the caller decides what to
 keep) and the per-layer criticality scores the plan asked for. `logits(hidden)` applies the LM head;
 callers pick the rows they need first, so a long prefill never materialises [B, T, vocab].
+
+`Transformer.mesh` is the tensor-parallel mesh its parameters are sharded over (None: one device);
+`jaxspec.model.sharding` says what is split how. With a mesh, q/k/v are constrained to whole heads
+per device and the outputs of o_proj and down_proj to replicated (one all-reduce each).
 """
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.model import kv_cache as kvc
+from jaxspec.model import sharding
 from jaxspec.model.attention import Plan, attend
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.rope import apply_rope, rope_tables
+from jaxspec.model.sharding import HEADS, REPLICATED, constrain
 
 
 class RMSNorm(nnx.Module):
@@ -51,19 +57,20 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
 
-  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend):
+  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh):
     cfg = self.cfg
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = constrain(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), mesh, HEADS)
+    k = constrain(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), mesh, HEADS)
+    v = constrain(self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), mesh, HEADS)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache = kvc.write(k_cache, k, slots)
     v_cache = kvc.write(v_cache, v, slots)
-    out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan, backend)
-    return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache, scores
+    out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan, backend, mesh)
+    out = constrain(self.o_proj(out.reshape(b, t, -1)), mesh, REPLICATED)
+    return out, k_cache, v_cache, scores
 
 
 class MLP(nnx.Module):
@@ -73,8 +80,9 @@ class MLP(nnx.Module):
     self.up_proj = _linear(h, i, False, dtype, param_dtype, rngs)
     self.down_proj = _linear(i, h, False, dtype, param_dtype, rngs)
 
-  def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+  def __call__(self, x, mesh):
+    return constrain(self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)), mesh,
+                     REPLICATED)
 
 
 class DecoderLayer(nnx.Module):
@@ -84,11 +92,11 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend):
+  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh):
     a, k_cache, v_cache, scores = self.self_attn(
-        self.input_layernorm(x), cos, sin, slots, k_cache, v_cache, lengths, plan, backend)
+        self.input_layernorm(x), cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh)
     x = x + a
-    x = x + self.mlp(self.post_attention_layernorm(x))
+    x = x + self.mlp(self.post_attention_layernorm(x), mesh)
     return x, k_cache, v_cache, scores
 
 
@@ -96,6 +104,7 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs):
     param_dtype = dtype if param_dtype is None else param_dtype
     self.cfg = cfg
+    self.mesh = None   # set by jaxspec.model.sharding when the parameters are sharded
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
     self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -115,7 +124,7 @@ class Transformer(nnx.Module):
     ks, vs, scores = [], [], []
     for i, layer in enumerate(self.layers):
       x, k, v, s = layer(x, cos, sin, slots, cache.k[i], cache.v[i], cache.lengths,
-                         plan.for_layer(i), backend)
+                         plan.for_layer(i), backend, self.mesh)
       ks.append(k)
       vs.append(v)
       scores.append(s)
@@ -131,9 +140,23 @@ class Transformer(nnx.Module):
     return out.astype(jnp.float32)
 
 
-def init_random(cfg: ModelConfig, *, dtype=jnp.float32, seed: int = 0) -> Transformer:
-  """A model with random weights (tests, and the random-weight scale benchmarks)."""
-  return Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+def init_random(cfg: ModelConfig, *, dtype=jnp.float32, seed: int = 0,
+                tp: int = 1) -> Transformer:
+  """A model with random weights (tests, and the random-weight scale benchmarks). With tp > 1 it
+  is drawn under jit, each device drawing only its own shards: the values of tp=1 up to an ulp
+  (jax's threefry is partitionable; XLA's fused normal sampler rounds unlike the eager one)."""
+  mesh = sharding.make_mesh(tp)
+  if mesh is None:
+    return Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+  sharding.check_divides(cfg, mesh)
+  graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype))
+  shardings = sharding.state_shardings(nnx.to_pure_dict(abstract), mesh)
+  pure = jax.jit(lambda: nnx.to_pure_dict(nnx.split(
+      Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))[1]), out_shardings=shardings)()
+  nnx.replace_by_pure_dict(abstract, pure)
+  model = nnx.merge(graphdef, abstract)
+  model.mesh = mesh
+  return model
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.bfloat16) -> Transformer:

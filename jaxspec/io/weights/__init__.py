@@ -17,6 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import Mesh
+
+from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import Transformer, abstract_model
 
@@ -131,18 +134,28 @@ def flat(tree: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_model(cfg: ModelConfig, params: Mapping[str, Any], *, dtype=jnp.bfloat16,
-                source: str = "weights") -> Transformer:
+                source: str = "weights", mesh: Mesh | None = None) -> Transformer:
   """Fill the abstract model at `cfg` with `params` (any array type), cast to `dtype`.
 
-  Asserts that every parameter was filled: a model with a leftover abstract leaf never escapes.
+  With a tensor-parallel `mesh` each parameter goes straight from the host into its shards
+  (`jaxspec.model.sharding.place`; arrays already on the mesh stay where they are) and the model
+  records the mesh. Asserts that every parameter was filled: a model with a leftover abstract leaf
+  never escapes.
   """
   check_params(cfg, params, source)
+  sharding.check_divides(cfg, mesh, source)
   graphdef, abstract_state = _abstract_split(cfg, jnp.dtype(dtype))
   state = jax.tree.map(lambda x: x, abstract_state)   # a fresh copy: the cached one stays abstract
   pure = nnx.to_pure_dict(state)
-  filled = {p: jnp.asarray(params[path_str(p)], dtype=dtype) for p in _flatten(pure)}
+  if mesh is None:
+    filled = {p: jnp.asarray(params[path_str(p)], dtype=dtype) for p in _flatten(pure)}
+  else:
+    filled = {p: sharding.place(params[path_str(p)], dtype,
+                                sharding.param_sharding(path_str(p), mesh))
+              for p in _flatten(pure)}
   nnx.replace_by_pure_dict(state, _unflatten(filled))
   model = nnx.merge(graphdef, state)
+  model.mesh = mesh
   leftover = [path_str(p) for p, v in _flatten(nnx.to_pure_dict(nnx.state(model))).items()
               if not isinstance(v, jax.Array)]
   assert not leftover, f"parameters left unfilled: {leftover}"

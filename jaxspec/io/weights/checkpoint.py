@@ -13,9 +13,10 @@ checkpoint dir that exists is complete. SIGINT/SIGTERM are held while orbax's th
 params, so the cleanup never races them; a temp dir that a killed run (SIGKILL, power loss) left
 is removed by the next write to the same target, once its PID is gone. `--overwrite` replaces only
 an existing checkpoint (or an empty dir), never a file or another directory.
-Loading restores straight into the abstract model's shapes at the requested dtype. A damaged
-checkpoint raises one WeightsError: a missing or truncated params file is named from the sizes
-recorded at conversion; anything else orbax cannot read names the parameter.
+Loading restores straight into the abstract model's shapes at the requested dtype, and on a
+tensor-parallel mesh straight into each parameter's shards (orbax reads each device's slice).
+A damaged checkpoint raises one WeightsError: a missing or truncated params file is named from the
+sizes recorded at conversion; anything else orbax cannot read names the parameter.
 """
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from jaxspec import cli
+from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import Transformer
 from jaxspec.io.weights import (CONFIG_FILE, PARAMS_DIR, WeightsError, abstract_params, build_model,
@@ -182,18 +185,21 @@ def read_config(path: str | Path) -> ModelConfig:
     raise WeightsError(f"corrupt checkpoint config {f}: {type(e).__name__}: {e}") from e
 
 
-def load(path: str | Path, *, dtype=jnp.bfloat16) -> tuple[ModelConfig, Transformer]:
-  """(config, model) from a checkpoint dir: orbax restores into the model's shapes at `dtype`."""
+def load(path: str | Path, *, dtype=jnp.bfloat16, mesh: Mesh | None = None
+         ) -> tuple[ModelConfig, Transformer]:
+  """(config, model) from a checkpoint dir: orbax restores into the model's shapes at `dtype`,
+  on `mesh` (None: the first device) with each parameter's tensor-parallel sharding."""
   path = Path(path).absolute()
   cfg = read_config(path)
+  sharding.check_divides(cfg, mesh, str(path))
   params_dir = path / PARAMS_DIR
   if not params_dir.is_dir():
     raise WeightsError(f"corrupt checkpoint {path}: {PARAMS_DIR}/ is missing")
   _check_file_sizes(path)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  # A sharding on every leaf makes orbax return device arrays (numpy ones otherwise); the target
-  # dtype makes it cast while restoring.
-  target = nested({k: jax.ShapeDtypeStruct(v.shape, dtype, sharding=device)
+  # A sharding on every leaf makes orbax return device arrays (numpy ones otherwise), each device
+  # reading only its own slice; the target dtype makes it cast while restoring.
+  target = nested({k: jax.ShapeDtypeStruct(v.shape, dtype,
+                                           sharding=sharding.param_sharding(k, mesh))
                    for k, v in abstract_params(cfg, dtype).items()})
   unsilence = _silence_orphaned_reads()
   try:
@@ -207,7 +213,7 @@ def load(path: str | Path, *, dtype=jnp.bfloat16) -> tuple[ModelConfig, Transfor
     # The silencing stays: the failed restore's other reads go on finishing after we return.
     raise WeightsError(f"corrupt checkpoint {path}: {_restore_error(e, params_dir)}") from e
   unsilence()
-  return cfg, build_model(cfg, flat(restored), dtype=dtype, source=str(path))
+  return cfg, build_model(cfg, flat(restored), dtype=dtype, source=str(path), mesh=mesh)
 
 
 def _restore_error(e: BaseException, params_dir: Path) -> str:

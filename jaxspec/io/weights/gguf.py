@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import gguf
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm import tqdm
 
+from jaxspec.model import sharding
 from jaxspec.model.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxspec.model.transformer import Transformer
 from jaxspec.model.rope import inverse_frequencies
@@ -235,10 +237,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
                        f"metadata: {type(e).__name__}: {e}") from e
 
 
-def load(path: str | Path, *, dtype=jnp.bfloat16, progress: bool = False
-         ) -> tuple[ModelConfig, Transformer]:
-  """(config, filled model) from a GGUF file."""
+def load(path: str | Path, *, dtype=jnp.bfloat16, progress: bool = False,
+         mesh: Mesh | None = None) -> tuple[ModelConfig, Transformer]:
+  """(config, filled model) from a GGUF file, on `mesh` if given (host arrays sent straight into
+  their shards)."""
   reader = open_reader(path)
   cfg = read_config(reader, str(path))
+  sharding.check_divides(cfg, mesh, str(path))   # before reading the weights
   params = read_params(reader, cfg, dtype=dtype, progress=progress, source=str(path))
-  return cfg, build_model(cfg, params, dtype=dtype, source=str(path))
+  return cfg, build_model(cfg, params, dtype=dtype, source=str(path), mesh=mesh)

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm import tqdm
 
+from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import Transformer
 from jaxspec.io.weights import ParamDict, WeightsError, build_model
@@ -150,9 +152,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
   return AutoTokenizer.from_pretrained(str(path))
 
 
-def load(path: str | Path, *, dtype=jnp.bfloat16, progress: bool = False
-         ) -> tuple[ModelConfig, Transformer]:
-  """(config, filled model) from a HF safetensors directory."""
+def load(path: str | Path, *, dtype=jnp.bfloat16, progress: bool = False,
+         mesh: Mesh | None = None) -> tuple[ModelConfig, Transformer]:
+  """(config, filled model) from a HF safetensors directory, on `mesh` if given (host arrays
+  sent straight into their shards)."""
   cfg = read_config(path)
+  sharding.check_divides(cfg, mesh, str(path))   # before reading the weights
   params = read_params(path, cfg, dtype=dtype, progress=progress)
-  return cfg, build_model(cfg, params, dtype=dtype, source=str(path))
+  return cfg, build_model(cfg, params, dtype=dtype, source=str(path), mesh=mesh)
