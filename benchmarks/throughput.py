@@ -22,7 +22,8 @@ the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05
 own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
 (gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer).
 --tp=N shards the model (and the draft model) over N devices (`jaxspec.model.sharding`); the
-copy ceiling in the JSON is still one device's.
+copy ceiling in the JSON is still one device's. --disaggregate (short and long workloads) prefills
+the refills on a second device while the first one decodes (`Runner.serve`).
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ _PROFILE = flags.DEFINE_bool("profile", True, "measure phase time shares (specul
 _PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existing JSON and exit")
 _OUT = flags.DEFINE_string("out", None, "JSON path (default benchmarks/out/throughput_<workload>.json)")
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: devices to shard the model over")
+_DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a second device "
+                                  "while the first one decodes (short and long workloads)")
 
 
 def parse_entry(entry: str) -> tuple[str, float, int]:
@@ -212,7 +215,7 @@ def main(argv):
   header = dict(device=device_name(), commit=git_commit(), model=_MODEL.value,
                 workload=_WORKLOAD.value, batch=_BATCH.value, sparsity=_SPARSITY.value,
                 min_tokens=_MIN_TOKENS.value, backend=backend, tp=_TP.value,
-                argv=" ".join(sys.argv))
+                disaggregate=_DISAGGREGATE.value, argv=" ".join(sys.argv))
   if _WORKLOAD.value == "scale":
     model, _ = load(_MODEL.value, _TP.value)
     draft_model = load(_DRAFT_MODEL.value, _TP.value)[0] if _DRAFT_MODEL.value else None
@@ -250,7 +253,8 @@ def main(argv):
       runner = make_runner(loaded.model, draft_model, entry, sampling, stop_ids, backend)
       row, state = runner.serve(prompts, _BATCH.value, max_new, max_len=capacity_len,
                                 chunk=_CHUNK.value, warmup_s=_WARMUP.value,
-                                measure_s=_MEASURE.value, seed=_SEED.value, stagger=_STAGGER.value)
+                                measure_s=_MEASURE.value, seed=_SEED.value, stagger=_STAGGER.value,
+                                disaggregate=_DISAGGREGATE.value)
       row.update(method=entry, sparsity=ratio)
       if _PROFILE.value and runner.speculative:
         # Phase shares on the serving batch as it stands at the end (steady state, mixed lengths).
