@@ -42,7 +42,8 @@ the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05
 own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
 (gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer).
 --tp=N shards the model (and the draft model) over N devices (`jaxspec.model.sharding`); the
-copy ceiling in the JSON is still one device's.
+copy ceiling in the JSON is still one device's. --disaggregate (short and long workloads) prefills
+the refills on a second device while the first one decodes (`Runner.serve`).
 """
 from __future__ import annotations
 
@@ -116,6 +117,8 @@ _PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existi
 _OUT = flags.DEFINE_string("out", None,
                            "JSON path (default benchmarks/out/throughput_<workload>.json)")
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: devices to shard the model over")
+_DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a second device "
+                                  "while the first one decodes (short and long workloads)")
 
 
 def parse_entry(entry: str) -> tuple[str, float, int]:
@@ -329,7 +332,7 @@ def main(argv):
                 min_tokens=_MIN_TOKENS.value, backend=backend, tp=_TP.value,
                 sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=_SEED.value),
-                argv=" ".join(sys.argv))
+                disaggregate=_DISAGGREGATE.value, argv=" ".join(sys.argv))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
     draft_model = load(_DRAFT_MODEL.value, _TP.value)[0] if _DRAFT_MODEL.value else None
@@ -368,7 +371,7 @@ def main(argv):
       row, state = runner.serve(prompts, _BATCH.value, max_new, max_len=capacity_len,
                                 chunk=_CHUNK.value, warmup_s=_WARMUP.value,
                                 measure_s=_MEASURE.value, seed=_SEED.value, stagger=_STAGGER.value,
-                                on_finish=outputs.__setitem__)
+                                on_finish=outputs.__setitem__, disaggregate=_DISAGGREGATE.value)
       row.update(method=entry, label=eos_label(entry, ignore_eos), sparsity=ratio)
       # Repetition is judged on the text, whatever the stop rule: a trailing EOS counts as ended.
       row.update(repetition_summary(outputs, loaded.stop_ids))

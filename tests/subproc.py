@@ -1,4 +1,5 @@
 """Running a jaxspec CLI in a subprocess, optionally interrupted at a named phase."""
+import json
 import os
 import subprocess
 import sys
@@ -23,3 +24,23 @@ def assert_clean_exit(res: subprocess.CompletedProcess, code: int, last_line: st
   assert res.returncode == code, res.stderr[-3000:]
   assert "Traceback" not in res.stderr and "Error" not in res.stderr, res.stderr[-3000:]
   assert res.stderr.strip().splitlines()[-1] == last_line, res.stderr[-3000:]
+
+
+def two_devices_env() -> dict[str, str]:
+  """The environment of a process that sees two CPU devices: XLA reads the flag when jax is first
+  imported, so a test process that has imported jax already runs such checks in a subprocess."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                       "--xla_force_host_platform_device_count=2",
+          "JAX_PLATFORMS": "cpu",
+          "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+def run_worker(script: str, out_dir: str, timeout: float = 900) -> dict:
+  """`python script out_dir` on two CPU devices; the JSON report it writes to out_dir/report.json
+  (the test fails with the worker's stderr if it fails)."""
+  res = subprocess.run([sys.executable, script, str(out_dir)], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, **two_devices_env()})
+  assert res.returncode == 0, res.stderr[-5000:]
+  with open(os.path.join(out_dir, "report.json")) as f:
+    return json.load(f)

@@ -7,33 +7,21 @@ script: `_worker`), which writes a JSON report; each test asserts on one part of
 compiles everything once: the whole file took 2.5 minutes on two shared cores.
 """
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TWO_DEVICES = "--xla_force_host_platform_device_count=2"
+from subproc import run_module, run_worker, two_devices_env
+
 PROMPT_LENS = (9, 40, 13)
 MAX_NEW = 12
 
 
-def _env() -> dict[str, str]:
-  return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {TWO_DEVICES}",
-          "JAX_PLATFORMS": "cpu",
-          "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-  out = tmp_path_factory.mktemp("tp")
-  res = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True,
-                       timeout=900, env=_env(), cwd=ROOT)
-  assert res.returncode == 0, res.stderr[-5000:]
-  return json.loads((out / "report.json").read_text())
+  return run_worker(__file__, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.mark.parametrize("method", ["none", "vegas", "draft"])
@@ -128,8 +116,7 @@ def test_command_line_tp_errors(report, module, args, line):
   args = [f"--model={model}" if a == "MODEL_1KV" else a for a in args]
   if module == "jaxspec.generate":
     args.append("--prompt=hi")
-  res = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                       timeout=300, env=_env(), cwd=ROOT)
+  res = run_module(module, *args, env=two_devices_env(), timeout=300)
   assert res.returncode == 1, res.stderr[-3000:]
   assert "Traceback" not in res.stderr, res.stderr[-3000:]
   assert res.stderr.strip().splitlines()[-1] == line.replace("MODEL_1KV", model)

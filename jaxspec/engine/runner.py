@@ -7,7 +7,8 @@ avoid compiling again.
 
   generate(prompts, ...)   a batch of token-id prompts, streamed per chunk through `on_chunk`
   serve(prompts, ...)      continuous batching over a request stream: finished slots are refilled
-                           with freshly prefilled requests (`batching.insert_slot`)
+                           with freshly prefilled requests (`batching.insert_slot`); with
+                           `disaggregate`, prefilled ahead on a second device while decoding goes on
   time_phases(state, ...)  draft / verify / update timed separately (speculative methods)
 
 Methods (`METHODS`): 'none' is vanilla decoding, its compiled step the plain one-token step (the
@@ -55,6 +56,10 @@ from jaxspec.model.transformer import Transformer
 
 METHODS = ("none", "draft", *policies.SELF_DRAFTING)
 DEFAULT_GAMMA = 6
+# Disaggregated serving: prefills kept in flight on the prefill device beyond the free slots, so
+# that slots finishing at the next chunk boundary find theirs ready (each holds a batch-1 cache
+# of max_len slots on that device). A guess: not tuned on GPUs yet.
+_AHEAD = 2
 
 
 @dataclasses.dataclass
@@ -211,16 +216,18 @@ class Runner:
     return compiled, time.perf_counter() - t0
 
   def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
-            max_len: int | None = None, seed: int = 0, max_new_buffer: int | None = None):
+            max_len: int | None = None, seed: int = 0, max_new_buffer: int | None = None,
+            params=None):
     """Prefill: (the state the loops start from, seconds spent compiling, the Batch). max_len
     (prompt + new tokens per sequence) defaults to the longest prompt + max_new_tokens, capped at
-    the model's context."""
+    the model's context. `params`: a copy of the models' parameters to prefill with, and so the
+    device to prefill on (default: the runner's own)."""
     max_len = requests.check_request(self.model.cfg, prompts, max_new_tokens, max_len)
     batch = make_batch(prompts, max_new_tokens, max_len, spare=self.spare,
                        max_new_buffer=max_new_buffer)
     self._check_context(max_len)
-    args = (self._params, jnp.asarray(batch.prompts), jnp.asarray(batch.prompt_lens),
-            jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
+    args = (self._params if params is None else params, jnp.asarray(batch.prompts),
+            jnp.asarray(batch.prompt_lens), jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
     run, seconds = self._compile(_prefill, *args, config=self.config(batch.capacity),
                                  max_new_buffer=batch.max_new_buffer)
     return run(*args), seconds, batch
@@ -293,14 +300,31 @@ class Runner:
 
   # -- continuous batching -----------------------------------------------------------------------
 
-  def _prefill_one(self, prompt, max_new: int, max_len: int, seed: int, budget: int | None = None):
+  def _prefill_one(self, prompt, max_new: int, max_len: int, seed: int, budget: int | None = None,
+                   params=None):
     state, _, _ = self.start([prompt], budget or max_new, max_len=max_len, seed=seed,
-                             max_new_buffer=max_new)
+                             max_new_buffer=max_new, params=params)
     return state
+
+  def _prefill_placement(self):
+    """(the parameters copied onto a prefill device of their own, the decode device), copied once
+    per runner."""
+    if self.mesh is not None:
+      raise ValueError(f"disaggregated serving runs on one device for decoding and one for "
+                       f"prefill; with tp={sharding.tp_size(self.mesh)} it is not built yet")
+    if not hasattr(self, "_prefill_copy"):
+      decode = next(iter(jax.tree.leaves(self._params)[0].devices()))
+      others = [d for d in jax.devices() if d != decode]
+      if not others:
+        raise ValueError(f"disaggregated serving needs a second device to prefill on; only "
+                         f"{decode} is available")
+      self._prefill_copy = (jax.device_put(self._params, others[0]), decode)
+    return self._prefill_copy
 
   def serve(self, prompts: list[list[int]], batch: int, max_new: int, *, max_len: int,
             chunk: int, warmup_s: float, measure_s: float, seed: int = 0, stagger: bool = False,
-            on_finish: Callable[[int, np.ndarray], None] | None = None) -> tuple[dict, object]:
+            on_finish: Callable[[int, np.ndarray], None] | None = None,
+            disaggregate: bool = False) -> tuple[dict, object]:
     """Continuous batching over the request stream, B = `batch` slots of `max_len` tokens each.
 
     Every `chunk` steps (or rounds) finished slots are refilled with the next request, prefilled
@@ -309,6 +333,12 @@ class Runner:
     start together also finish together, so the window would see waves of B refills and little
     decoding between them; staggered, the slots finish evenly spread over one request's lifetime,
     as in a server that has been running for a while.
+    disaggregate: prefill on a second device (a copy of the weights there), ahead of the finishes:
+    up to `_AHEAD` prefills beyond the free slots are kept in flight there while the decode device
+    goes on decoding; at each chunk boundary the finished prefills are moved device to device and
+    inserted into free slots, and a free slot whose prefill is not finished yet waits (idle) for a
+    later boundary instead of stalling the batch. `idle_slot_share` says how much of the window
+    slots spent waiting so.
     Returns (the measured window's numbers, the final state: a steady-state batch to profile).
     `on_finish(request index, its new tokens)` runs for every request that finishes, warm-up
     included (not for those still running when the window closes). The chunks where some finish
@@ -316,6 +346,33 @@ class Runner:
     refills, and count that time with the refills.
     """
     queue = collections.deque(range(len(prompts)))
+    prefill_params, decode_device = self._prefill_placement() if disaggregate else (None, None)
+    ahead = collections.deque()    # disaggregated: (request, its state on the prefill device)
+
+    def prefill(req, budget=None):
+      return self._prefill_one(prompts[req], max_new, max_len, seed + req, budget, prefill_params)
+
+    def moved(fresh):
+      return fresh if decode_device is None else jax.device_put(fresh, decode_device)
+
+    def next_request():
+      """(request, its prefilled state on the decode device) for a free slot, or None: the queue
+      is empty or (disaggregated) the oldest prefill launched ahead is not finished yet."""
+      if not disaggregate:
+        if not queue:
+          return None
+        req = queue.popleft()
+        return req, prefill(req)
+      if ahead and all(x.is_ready() for x in jax.tree.leaves(ahead[0][1])):
+        req, fresh = ahead.popleft()
+        return req, moved(fresh)
+      return None
+
+    def launch_ahead(free: int):
+      while disaggregate and queue and len(ahead) < free + _AHEAD:
+        req = queue.popleft()
+        ahead.append((req, prefill(req)))
+
     # The first B requests go in one by one, like every later refill: a batched prefill of B long
     # prompts needs activation memory for B x 32K tokens at once (it ran out of memory on an H200
     # at B=64). The placeholder one-token batch only fixes the state's static sizes.
@@ -330,8 +387,8 @@ class Runner:
 
     for slot, req in enumerate(slot_req):
       budget = max(1, max_new * (slot + 1) // batch) if stagger else max_new
-      state = put(state, self._prefill_one(prompts[req], max_new, max_len, seed + req, budget),
-                  slot)
+      state = put(state, moved(prefill(req, budget)), slot)
+    launch_ahead(0)
 
     def progress(state):
       ds = decode_state(state)
@@ -354,7 +411,7 @@ class Runner:
     state, _ = self.step(state, chunk)            # compiles the chunk
     num_new, done, hist = progress(state)
     t_setup = time.perf_counter() - t_setup
-    counted = dict(tokens=0, seconds=0.0, refill_s=0.0, rounds=0, finished=0)
+    counted = dict(tokens=0, seconds=0.0, refill_s=0.0, rounds=0, finished=0, idle_slots=0)
     hist_window = None
     t_start = time.perf_counter()
     measuring, t_measure = False, 0.0
@@ -372,21 +429,29 @@ class Runner:
       finished = np.flatnonzero(done & ~reported)
       counted["finished"] += measuring * len(finished)
       finish(finished, new_num)
-      for slot in finished:
-        if not queue:
+      free = [slot for slot in np.flatnonzero(done) if reported[slot]]
+      for slot in free:
+        got = next_request()
+        if got is None:
           break
-        slot_req[slot] = req = queue.popleft()
+        slot_req[slot], fresh = got
         reported[slot] = False
-        state = put(state, self._prefill_one(prompts[req], max_new, max_len, seed + req), slot)
+        state = put(state, fresh, slot)
         refilled = True
+      idle = int(sum(reported[slot] for slot in free))   # free slots left waiting
+      launch_ahead(idle)
       if refilled:   # refilled slots restart their token counts and acceptance histograms
         new_num, done, new_hist = progress(state)   # waits for the refills
+      elif ahead and done.all():
+        # Nothing to decode until a prefill finishes: wait for it rather than spin.
+        jax.block_until_ready(ahead[0][1])
       t2 = time.perf_counter()
       if measuring:
         counted["tokens"] += produced
         counted["seconds"] += t2 - t0
         counted["refill_s"] += t2 - t1
         counted["rounds"] += chunk
+        counted["idle_slots"] += idle
         if delta_hist is not None:
           hist_window = delta_hist if hist_window is None else hist_window + delta_hist
       num_new, hist = new_num, new_hist
@@ -399,18 +464,20 @@ class Runner:
         measuring, t_measure = True, t2
       if measuring and t2 - t_measure >= measure_s:
         break
-      if not queue and done.all():
+      if not queue and not ahead and done.all():
         break
     bar.close()
     finish(np.flatnonzero(done), num_new)   # a refill that was done at its prefill (budget 1)
     seconds, refill_s = counted["seconds"], counted["refill_s"]
+    chunks = counted["rounds"] // chunk
     out = dict(method=self.method, gamma=self.gamma, setup_s=t_setup, measured_s=seconds,
                tokens=counted["tokens"],
                tokens_per_s=counted["tokens"] / seconds if seconds else None,
                decode_only_tokens_per_s=(counted["tokens"] / (seconds - refill_s)
                                          if seconds > refill_s else None),
                refill_share=refill_s / seconds if seconds else None,
-               requests_finished=counted["finished"])
+               requests_finished=counted["finished"], disaggregate=disaggregate,
+               idle_slot_share=counted["idle_slots"] / (chunks * batch) if chunks else None)
     if hist_window is not None:
       out.update(acceptance_summary(hist_window[None]))
     return out, state
