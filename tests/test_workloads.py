@@ -174,7 +174,7 @@ def run_throughput(tmp_path, monkeypatch, capsys, loaded, **flag_values):
   from absl.testing import flagsaver
   from benchmarks import throughput
   from jaxspec.io import loading
-  monkeypatch.setattr(loading, "load_model", lambda spec, dtype=None: loaded)
+  monkeypatch.setattr(loading, "load_model", lambda spec, dtype=None, tp=None: loaded)
   titles = []   # matplotlib is no test dependency: record what the plot would say
   monkeypatch.setattr(throughput, "plot", lambda payload, path: titles.append(
       throughput.plot_title(payload)))
