@@ -43,6 +43,15 @@ def test_interpret_kernels_under_shard_map_give_the_same_tokens(report):
   assert two["accepted"] == report["generate"]["vegas/tp2"]["accepted"]
 
 
+@pytest.mark.parametrize("name", ["vegas-tree-interpret", "draft-tree"])
+def test_draft_trees_on_two_devices_give_the_same_tokens(report, name):
+  """Draft trees (2, 2, 1): their ancestor bits replicated under shard_map (interpret kernels),
+  and the draft model's breadth-first tree compacted in its sharded cache."""
+  two = report["generate"][f"{name}/tp2"]
+  assert two["tokens"] == report["generate"]["none/tp1"]["tokens"]
+  assert two["accepted"] > 1
+
+
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_logits_within_tolerance(report, backend):
   r = report["forward"][backend]
@@ -174,9 +183,9 @@ def _worker(out_dir: Path) -> None:
     print(f"{name}: {now - clock[0]:.1f} s", file=sys.stderr, flush=True)
     clock[0] = now
 
-  def generate(name, method, backend, tp):
+  def generate(name, method, backend, tp, **kw):
     r = Runner(model, method=method, backend=backend, tp=tp,
-               draft_model=draft if method == "draft" else None, **settings)
+               draft_model=draft if method == "draft" else None, **settings, **kw)
     tokens, stats = r.generate(prompts, max_new_tokens=MAX_NEW)
     report["generate"][f"{name}/tp{tp}"] = dict(
         tokens=tokens, accepted=stats.extra.get("mean_accepted_tokens"))
@@ -187,6 +196,8 @@ def _worker(out_dir: Path) -> None:
   for method in ("none", "vegas", "draft"):
     generate(method, method, "reference", 2)
   generate("vegas-interpret", "vegas", "interpret", 2)
+  generate("vegas-tree-interpret", "vegas", "interpret", 2, tree=(2, 2, 1))
+  generate("draft-tree", "draft", "reference", 2, tree=(2, 2, 1), tree_order="dfs")
 
   # Continuous batching: three requests through two slots, the third in a refilled slot (prompts
   # of one length bucket: one prefill to compile).
