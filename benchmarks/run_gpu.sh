@@ -21,6 +21,11 @@
 #               MODEL=0.5b prep, then MODEL=1.5b prep), against the 1.5B's vanilla and vegas in
 #               the same run; WORKLOAD short or long (default short), EOS honoured, sampled;
 #               METHODS / BATCH / WARMUP / MEASURE / SUFFIX as above
+#   peer        jaxspec against HF transformers (the machine's torch and transformers) in one run,
+#               both reading the shipped GGUFs (both shipped; no prep needed): decode steps of the
+#               1.5B and the 0.5B at B = 1, 16, 64 x 4K-32K (BATCHES / CONTEXTS override), then
+#               batch 1 on PROMPTS (default 8) short prompts: HF static+compiled, dynamic, prompt
+#               lookup and assisted (0.5B) against jaxspec vanilla, vegas and draft (0.5B), greedy
 # EOS is honoured (requests stop at the model's end-of-sequence tokens) and sampling is the
 # paper's (temperature 0.6, top-p 0.95, top-k 20). IGNORE_EOS=1 passes --ignore_eos to sweep,
 # long, short and cont (stress mode: every request runs to its token budget); those results say
@@ -91,6 +96,19 @@ for step in "$@"; do
         --batch=${BATCH:-128} --methods=${METHODS:-none,vegas:6,draft:2,draft:3,draft:4} \
         --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-short}_draft${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
+    peer)
+      for entry in 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32:qwen05 \
+                   cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046:qwen15; do
+        echo "${entry%%:*}  /tmp/shipped/${entry##*:}.gguf" | sha256sum -c || exit 1
+      done
+      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
+        transformers.__version__, 'cuda', torch.cuda.is_available())"
+      # JAX allocates on demand so that HF, which runs first, has the GPU (peer_hf's docstring).
+      XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.peer_hf \
+        --model=/tmp/shipped/qwen15.gguf --draft_model=/tmp/shipped/qwen05.gguf \
+        --batch_sizes=${BATCHES:-1,16,64} --contexts=${CONTEXTS:-4096,16384,32768} \
+        --prompts=${PROMPTS:-8} --max_new_tokens=256 \
+        --out=$OUT/peer_hf${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -40 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
