@@ -65,19 +65,28 @@ def verify(target: Transformer, state: SpecState, drafts: jax.Array,
   target_logits = target.logits(hidden)                                      # [B, gamma + 1, V]
   key, sub = jax.random.split(ds.key)
   verdict = rejection.verify_drafts(sub, drafts, draft_probs, target_logits, config.sampling)
-  active = ~ds.done
-  emitted = verdict.accepted + 1
-  cache = cache.replace(lengths=start + jnp.where(active, emitted, 0))
   # The emitted tokens: the accepted drafts, then the corrected/bonus token at index `accepted`.
   j = jnp.arange(config.gamma + 1)[None]
   new = jnp.where(j == verdict.accepted[:, None], verdict.next_token[:, None],
                   jnp.pad(drafts, ((0, 0), (0, 1))))
+  state = _advance(state, cache, key, start, new, verdict.accepted, config)
+  return state, tokens, scores, start, verdict.accepted, verdict.accepted
+
+
+def _advance(state: SpecState, cache, key: jax.Array, start: jax.Array, new: jax.Array,
+             accepted: jax.Array, config: RunConfig) -> SpecState:
+  """After acceptance: lengths move past the root and the accepted drafts (active sequences),
+  the emitted tokens `new` [B, gamma + 1] (accepted + 1 of them) are appended, and the
+  acceptance histogram and round count advance."""
+  ds = state.decode
+  active = ~ds.done
+  emitted = accepted + 1
+  cache = cache.replace(lengths=start + jnp.where(active, emitted, 0))
   ds = append_tokens(ds.replace(cache=cache, key=key), new, emitted, config.stop_ids,
                      reserve=config.reserve)
-  hist = state.accept_hist + (jax.nn.one_hot(verdict.accepted, config.gamma + 1, dtype=jnp.int32)
+  hist = state.accept_hist + (jax.nn.one_hot(accepted, config.gamma + 1, dtype=jnp.int32)
                               * active[:, None].astype(jnp.int32))
-  state = state.replace(decode=ds, accept_hist=hist, rounds=state.rounds + 1)
-  return state, tokens, scores, start, verdict.accepted, verdict.accepted
+  return state.replace(decode=ds, accept_hist=hist, rounds=state.rounds + 1)
 
 
 def tree_score_spec(spec: ScoreSpec | None, tree: trees.Tree) -> ScoreSpec | None:
@@ -115,15 +124,8 @@ def verify_tree(target: Transformer, state: SpecState, drafts: jax.Array,
   last = verdict.last_node
   cache = cache.replace(k=trees.compact_layers(cache.k, start, tree, last),
                         v=trees.compact_layers(cache.v, start, tree, last))
-  active = ~ds.done
-  emitted = verdict.accepted + 1
-  cache = cache.replace(lengths=start + jnp.where(active, emitted, 0))
   new = tree_acceptance.emitted_tokens(tree, tokens, verdict, pad=0)        # [B, depth + 1]
-  ds = append_tokens(ds.replace(cache=cache, key=key), new, emitted, config.stop_ids,
-                     reserve=config.reserve)
-  hist = state.accept_hist + (jax.nn.one_hot(verdict.accepted, config.gamma + 1, dtype=jnp.int32)
-                              * active[:, None].astype(jnp.int32))
-  state = state.replace(decode=ds, accept_hist=hist, rounds=state.rounds + 1)
+  state = _advance(state, cache, key, start, new, verdict.accepted, config)
   path = jnp.maximum(trees.accepted_path(tree, last), 0)                    # [B, depth + 1]
   verified = jnp.take_along_axis(tokens, path, axis=1)
   if scores is not None and scores.ndim == 4:                                # per row [L,B,T,S]
