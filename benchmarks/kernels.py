@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import copy_ceiling, device_name, git_commit, write_json
 from jaxspec.drafting.policies import budget
+from jaxspec.drafting.trees import Tree
 from jaxspec import cli
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
@@ -44,12 +45,14 @@ flags.DEFINE_integer("batches", 7, "timed batches per measurement (median report
 flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
-flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp"],
+flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "scores: split count and block_k of the scored verification kernel; "
-                  "topp: the sorting-free top-p select against sorting and top-k")
-flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp"],
+                  "topp: the sorting-free top-p select against sorting and top-k; "
+                  "tree: verification and sparse attention under a draft tree's mask against "
+                  "the chain at the same T")
+flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree"],
                   "kernel groups --check runs")
 flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
 
@@ -308,6 +311,35 @@ def check_all() -> bool:
       ok = False
       print(f"FAIL sparse T={t} per_head={per_head}: {type(e).__name__}: {str(e)[:3000]}",
             flush=True)
+  for widths, hq, hkv, d in [((2, 2, 1, 1), 32, 8, 128), ((1, 2, 1, 1), 14, 2, 64)]:
+    if "tree" not in groups:
+      break
+    try:
+      bits = jnp.asarray(Tree.from_widths(widths).ancestor_bits)
+      t, b, s = bits.shape[0], 3, 1000
+      k, v = cache(b, s, hkv, d, seed=t)
+      q = rand(t + 13, (b, t, hq, d))
+      lengths = jnp.array([0, 517, s - t], jnp.int32)
+      out, sc = verify_attention(q, k, v, lengths, score_kind="logits", tree_bits=bits)
+      ro, rs = verify_attention_reference(q, k, v, lengths, score_kind="logits", tree_bits=bits)
+      fin = jnp.isfinite(rs)
+      e = rel_err(out, ro)
+      se = rel_err(jnp.where(fin, sc, 0), jnp.where(fin, rs, 0))
+      good = e < 1e-2 and se < 2e-2 and bool(jnp.all(jnp.isfinite(sc) == fin))
+      tails = jnp.array([0, 300, s - t - 16], jnp.int32)
+      idx = jnp.asarray(np.stack([np.resize(rng.permutation(max(int(x), 1)), 64) for x in tails]),
+                        jnp.int32)   # distinct within the counted part
+      cnt = jnp.minimum(tails, 64)
+      args = (q, k, v, idx, cnt, tails, lengths)
+      se2 = rel_err(sparse_attention(*args, tree_bits=bits),
+                    sparse_attention_reference(*args, tree_bits=bits))
+      good &= se2 < 1e-2
+      print(("PASS " if good else "FAIL ") + f"tree {widths} T={t} {hq}/{hkv}/{d}: verify out err "
+            f"{e:.1e}, scores err {se:.1e}; sparse err {se2:.1e}", flush=True)
+      ok &= good
+    except Exception as e:
+      ok = False
+      print(f"FAIL tree {widths}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
   for dt in (jnp.bfloat16, jnp.float32):
     if "topk" not in groups:
       break
@@ -366,22 +398,35 @@ MODES = {"off": (None, (0, -1), False), "collect2": ("logits", (0, -1), False),
 
 
 @guarded
-def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(), chain=False):
+def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(), chain=False,
+               tree=None):
+  """`tree`: widths per depth; the case then verifies that tree's T nodes under its mask (t is
+  ignored), with Collect-2's rows the root and the main path's leaf (`tree_score_spec`)."""
   hq, hkv, d = MODELS[model]
+  tree_kw, rows_of = {}, {}
+  if tree is not None:
+    shape = Tree.from_widths(tree)
+    t = shape.size
+    tree_kw = dict(tree_bits=jnp.asarray(shape.ancestor_bits))
+    main = [0]
+    while shape.children[main[-1]]:
+      main.append(shape.children[main[-1]][0])
+    rows_of = dict(score_rows=(0, main[-1]))
   k, v = cache(b, s, hkv, d)
   lengths = jnp.full((b,), s - t, jnp.int32)
   # Arrays are passed as arguments (closed-over arrays would be baked into the program).
   qs = [(rand(10 + i, (b, t, hq, d)), k, v, lengths) for i in range(2)]
   base = kv_bytes(b * s, hkv, d)
-  name = f"{'decode' if t == 1 else 'verify'} {model} B{b}xL{s} T{t}"
+  name = (f"{'decode' if t == 1 else 'verify'} {model} B{b}xL{s} T{t}"
+          + (f" tree={'.'.join(map(str, tree))}" if tree is not None else ""))
   # Each mode at default knobs, then the tuning variants ("scores" in a variant picks its mode).
   cases = [(mode, {}) for mode in modes] + [
       (kn.get("scores", "off"), {a: x for a, x in kn.items() if a != "scores"}) for kn in variants]
   for mode, knobs in cases:
     kind, rows, per_row = MODES[mode]
     nbytes = base + (b * s * 2 * (t if per_row else 1) if kind else 0)
-    fn = functools.partial(verify_attention, score_kind=kind, score_rows=rows, per_row=per_row,
-                           **knobs)
+    fn = functools.partial(verify_attention, score_kind=kind, per_row=per_row,
+                           **{"score_rows": rows, **(rows_of if kind else {}), **tree_kw, **knobs})
     label = " ".join(([f"scores={mode}"] if kind or not knobs else [])
                      + ([",".join(f"{a}={x}" for a, x in knobs.items())] if knobs else []))
     extra = dict(mode=mode, knobs=knobs) if knobs else dict(mode=mode)
@@ -391,7 +436,7 @@ def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(
              timing="chained", **extra)
   if with_ref:
     kind = None if t == 1 else "logits"
-    fn = functools.partial(verify_attention_reference, score_kind=kind)
+    fn = functools.partial(verify_attention_reference, score_kind=kind, **tree_kw)
     record(name, f"xla reference scores={kind}", lambda: time_jax(fn, qs), base)
   del k, v, qs
   if with_torch:
@@ -412,8 +457,14 @@ def sparse_inputs(b, s, hkv, kk, tail, per_head, sort, seed=0):
 
 @guarded
 def sparse_case(model, b, s, kk, t, per_head=False, sort=True, with_ref=True, variants=(),
-                chain=False):
+                chain=False, tree=None):
+  """`tree`: widths per depth; the case then drafts that tree's T nodes under its mask."""
   hq, hkv, d = MODELS[model]
+  tree_kw = {}
+  if tree is not None:
+    shape = Tree.from_widths(tree)
+    t = shape.size
+    tree_kw = dict(tree_bits=jnp.asarray(shape.ancestor_bits))
   tail = 64
   k, v = cache(b, s, hkv, d)
   idx, cnt, tail_start = sparse_inputs(b, s, hkv, kk, tail, per_head, sort)
@@ -421,7 +472,12 @@ def sparse_case(model, b, s, kk, t, per_head=False, sort=True, with_ref=True, va
   qs = [(rand(20 + i, (b, t, hq, d)), k, v, idx, cnt, tail_start, lengths) for i in range(2)]
   nbytes = kv_bytes(b * (kk + tail + t), hkv, d) + idx.size * 4
   name = (f"sparse {model} B{b}xL{s} K{kk}+{tail} T{t}" + (" per-head" if per_head else "")
-          + ("" if sort else " unsorted"))
+          + ("" if sort else " unsorted")
+          + (f" tree={'.'.join(map(str, tree))}" if tree is not None else ""))
+  if tree is not None:
+    fn = functools.partial(sparse_attention, **tree_kw)
+    record(name, "pallas", lambda: time_jax(fn, qs), nbytes)
+    return
   record(name, "pallas", lambda: time_jax(sparse_attention, qs), nbytes)
   if chain:
     record(name, "pallas [chained]", lambda: time_chain(sparse_attention, qs[0]), nbytes,
@@ -506,6 +562,22 @@ def topp_case(rows, s, p, dtype, sweep=True):
            lambda fn=fn: time_jax(fn, sets), nbytes, kept=kept)
 
 
+def tree_plan(q3, sh):
+  """Issue 17: a draft tree's mask inside the kernels against the chain at the same T (the chain
+  with T - 1 drafts), scores off and Collect-2, at Qwen3-8B and Qwen2.5-0.5B shapes; then sparse
+  (tree drafting over a selection) at the 0.5B's. Goal: the tree within 5% of the chain."""
+  for model, b, s in ((q3, 4, 131072 // sh), ("qwen2.5-0.5b", 64, 16384 // sh)):
+    for widths in ((1, 2, 1, 1), (2, 2, 1, 1)):   # 8 and 15 nodes
+      t = Tree.from_widths(widths).size
+      dense_case(model, b, s, t, ("off", "collect2"), with_ref=False, with_torch=False)
+      dense_case(model, b, s, t, ("off", "collect2"), with_ref=False, with_torch=False,
+                 tree=widths)
+  for widths in ((1, 2, 1, 1), (2, 2, 1, 1)):
+    t = Tree.from_widths(widths).size
+    sparse_case("qwen2.5-0.5b", 64, 16384 // sh, 1024 // sh, t, with_ref=False)
+    sparse_case("qwen2.5-0.5b", 64, 16384 // sh, 1024 // sh, t, with_ref=False, tree=widths)
+
+
 def topp_plan(sh):
   """Issue 16's top-p kernel speed: rows of 2K-128K positions (SpecAttn selects per draft step
   and draft layer: gamma x layers x batch rows) against a sort-based top-p, the paper's 10-step
@@ -555,6 +627,8 @@ def main(argv):
     scores_plan(q3, sh)
   elif FLAGS.plan == "topp":
     topp_plan(sh)
+  elif FLAGS.plan == "tree":
+    tree_plan(q3, sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()
