@@ -44,8 +44,10 @@ at most k_max minus those above; the kept positions are compacted as topk_select
 method='pallas' runs the same search as a Pallas (Triton) kernel, one program per row, bf16 only:
 a max pass (for e), 16 / digit search passes, one pass at the threshold and the emitting pass each
 re-read the row from L2. Per key and search pass it does 2^digit compares and 3 * 2^digit limb
-adds, about 4x topk_select's work at the same digit. Not yet measured on a GPU
-(`benchmarks/kernels.py --plan=topp`).
+adds, about 4x topk_select's work at the same digit. On an H100 (`benchmarks/kernels.py
+--plan=topp`, benchmarks/RESULTS.md) it is 1.1-1.8x faster than a sort-based top-p on rows of
+2K-8K positions (96-1536 rows), even at 32K, and 3x slower on 16 rows of 128K (one program a row
+cannot fill the GPU); far from the paper's 4x over sorting.
 method='bisect10' is the paper's: 10 halvings of a float threshold theta in [0, max] with f32
 masses (sum of the weights >= theta against p * the f32 row sum); it keeps every weight
 >= theta_low, the largest tested threshold whose mass reached the target (the paper does not say
@@ -347,13 +349,14 @@ def _topp_pallas(weights, lengths, p, k_max, *, block, digit, num_warps, interpr
                                              "digit", "num_warps"))
 def topp_select(weights: jax.Array, lengths: jax.Array, *, p: float, k_max: int,
                 method: str = "threshold", interpret: bool = False, block: int = 1024,
-                digit: int = 4, num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+                digit: int | None = None, num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
   """Exact top-p positions per row, ascending; same contract as topp_select_reference (module doc).
 
   method: 'threshold' (sorting-free XLA), 'pallas' (the same search in one Pallas program per row;
   bf16 weights only; `interpret`, `block` positions per tile and `num_warps` apply to it), both
-  deciding `digit` bits of the threshold a pass; 'bisect10' (the paper's 10-step float bisection,
-  approximate) or 'sort' (the reference itself).
+  deciding `digit` bits of the threshold a pass (default 4 for 'threshold', 2 for 'pallas': the
+  faster of the two on an H100 in every measured case); 'bisect10' (the paper's 10-step float
+  bisection, approximate) or 'sort' (the reference itself).
   """
   _check(weights, lengths, p, k_max)
   if method == "sort":
@@ -362,6 +365,8 @@ def topp_select(weights: jax.Array, lengths: jax.Array, *, p: float, k_max: int,
     return _bisect10_select(weights, lengths, p, k_max)
   if method not in ("threshold", "pallas"):
     raise ValueError(f"method must be 'threshold', 'pallas', 'bisect10' or 'sort', got {method!r}")
+  if digit is None:
+    digit = 2 if method == "pallas" else 4
   if digit not in (1, 2, 4):
     raise ValueError(f"digit must be 1, 2 or 4, got {digit}")
   if method == "threshold":
