@@ -105,6 +105,9 @@ def test_throughput_method_entries():
     assert throughput.parse_entry("vegas@0.04/2.2.1") == ("vegas", 0.04, 3)
     assert throughput.entry_tree("draft:4/3.1") == ("draft:4", (3, 1))
     assert throughput.entry_tree("streaming:4") == ("streaming:4", None)
+  with flagsaver.flagsaver(gammas=["default=4"], top_p_attn=0.97):   # specattn@p: the kept mass
+    assert throughput.parse_entry("specattn") == ("specattn", 0.97, 4)
+    assert throughput.parse_entry("specattn@0.95:6") == ("specattn", 0.95, 6)
   with flagsaver.flagsaver(tree=["2", "1"]):
     assert throughput.entry_tree("vegas") == ("vegas", (2, 1))
     assert throughput.entry_tree("vegas/3") == ("vegas", (3,))

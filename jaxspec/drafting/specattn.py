@@ -154,10 +154,15 @@ class SpecAttnDrafter(DraftModelDrafter):
   def start(self, draft: Transformer, prompts: jax.Array, prompt_lens: jax.Array,
             state: DecodeState, scores: None, config: RunConfig) -> SpecAttnState:
     dm = super().start(draft, prompts, prompt_lens, state, scores, config)
-    u, b, k = len(self.spec.draft_layers), prompts.shape[0], self.spec.k_max(config.capacity)
-    plan = LayerMapped(indices=jnp.zeros((u, b, k), jnp.int32), counts=jnp.zeros((u, b), jnp.int32),
-                       tail_start=prompt_lens, slots=self.spec.slots)
-    return SpecAttnState(cache=dm.cache, prev_token=dm.prev_token, plan=plan)
+    return SpecAttnState(cache=dm.cache, prev_token=dm.prev_token,
+                         plan=self.empty_plan(prompt_lens, config.capacity))
+
+  def empty_plan(self, lengths: jax.Array, capacity: int) -> LayerMapped:
+    """A plan of the loop's shapes selecting nothing (every round's draft step replaces it)."""
+    u, b, k = len(self.spec.draft_layers), lengths.shape[0], self.spec.k_max(capacity)
+    return LayerMapped(indices=jnp.zeros((u, b, k), jnp.int32),
+                       counts=jnp.zeros((u, b), jnp.int32), tail_start=lengths,
+                       slots=self.spec.slots)
 
   def draft(self, target: Transformer, draft: Transformer, state: SpecState, config: RunConfig
             ) -> tuple[SpecState, jax.Array, jax.Array | None]:
