@@ -234,56 +234,64 @@ def check_layers(layers: Sequence[int], target_layers: int, draft_layers: int) -
 # ----------------------------------------------------------------------------------------------
 # CLI
 
-_DRAFT = flags.DEFINE_string("draft", None, "the draft model (any --model spec of "
-                             "jaxspec.generate)")
-_TARGET = flags.DEFINE_string("target", None, "the target model")
-_MAP = flags.DEFINE_enum("map", "kl", list(MAP_KINDS), "kl: KL divergence + monotone DP (the "
-                         "paper's); proportional: floor(j * Ld / Lt); argmax: unconstrained")
-_OUT = flags.DEFINE_string("out", None, "where to write the JSON (default: beside the target)")
-_WINDOWS = flags.DEFINE_integer("windows", 32, "calibration windows")
-_WINDOW = flags.DEFINE_integer("window_tokens", 512, "tokens per calibration window")
-_ROWS = flags.DEFINE_integer("rows", 16, "the last rows of each window whose attention is compared")
-_BATCH = flags.DEFINE_integer("batch", 4, "windows per forward pass")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"], "weights and activations")
+def _define_flags() -> dict:
+  """The CLI's flags, defined only when it runs: other entry points import this module's
+  functions and define flags of the same names (--dtype, --out)."""
+  return dict(
+      draft=flags.DEFINE_string("draft", None, "the draft model (any --model spec of "
+                                "jaxspec.generate)"),
+      target=flags.DEFINE_string("target", None, "the target model"),
+      map=flags.DEFINE_enum("map", "kl", list(MAP_KINDS), "kl: KL divergence + monotone DP (the "
+                            "paper's); proportional: floor(j * Ld / Lt); argmax: unconstrained"),
+      out=flags.DEFINE_string("out", None, "where to write the JSON (default: beside the target)"),
+      windows=flags.DEFINE_integer("windows", 32, "calibration windows"),
+      window=flags.DEFINE_integer("window_tokens", 512, "tokens per calibration window"),
+      rows=flags.DEFINE_integer("rows", 16, "the last rows of each window whose attention is "
+                                "compared"),
+      batch=flags.DEFINE_integer("batch", 4, "windows per forward pass"),
+      dtype=flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
+                              "weights and activations"))
 
 
 def fail(message: str):
   cli.fail("jaxspec.specattn_map", message)
 
 
-def main(argv):
+def main(argv, f: dict):
   del argv
   cli.quiet_logging()
   from jaxspec import requests
+  v = {k: flag.value for k, flag in f.items()}
   try:
-    if _DRAFT.value is None or _TARGET.value is None:
+    if v["draft"] is None or v["target"] is None:
       raise ValueError("give both --draft and --target")
-    for name, flag in (("--windows", _WINDOWS), ("--rows", _ROWS), ("--batch", _BATCH)):
-      requests.check_count(name, flag.value)
-    requests.check_count("--window_tokens", _WINDOW.value, _ROWS.value + 1)
+    for name in ("windows", "rows", "batch"):
+      requests.check_count(f"--{name}", v[name])
+    requests.check_count("--window_tokens", v["window"], v["rows"] + 1)
   except ValueError as e:
     fail(str(e))
   from jaxspec.io.loading import check_draft_pair, load_model
-  dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
+  dtype = jnp.float32 if v["dtype"] == "float32" else jnp.bfloat16
   try:
-    target = load_model(_TARGET.value, dtype=dtype)
-    draft = load_model(_DRAFT.value, dtype=dtype)
-    check_draft_pair(target, draft, _TARGET.value, _DRAFT.value)
+    target = load_model(v["target"], dtype=dtype)
+    draft = load_model(v["draft"], dtype=dtype)
+    check_draft_pair(target, draft, v["target"], v["draft"])
     sim = None
-    if _MAP.value != "proportional":
+    if v["map"] != "proportional":
       if target.tokenizer is None:
         raise ValueError(f"{target.source} has no tokenizer: calibration text cannot be encoded")
       data = Path(os.environ.get("JAXSPEC_DATA", _DATA)) / CALIBRATION_TEXT
       text = data.read_text(encoding="utf-8")
-      windows = calibration_windows(target.tokenizer.encode(text), _WINDOWS.value, _WINDOW.value)
-      sim = kl_similarity(target.model, draft.model, windows, rows=_ROWS.value,
-                          batch=_BATCH.value, progress=True)
-    layer_map = make_map(_MAP.value, target.model, draft.model, _TARGET.value, _DRAFT.value, sim)
-    out = save_map(layer_map, _OUT.value or default_map_path(target.source, _DRAFT.value))
+      windows = calibration_windows(target.tokenizer.encode(text), v["windows"], v["window"])
+      sim = kl_similarity(target.model, draft.model, windows, rows=v["rows"], batch=v["batch"],
+                          progress=True)
+    layer_map = make_map(v["map"], target.model, draft.model, v["target"], v["draft"], sim)
+    out = save_map(layer_map, v["out"] or default_map_path(target.source, v["draft"]))
   except (OSError, ValueError) as e:
     fail(str(e))
-  print(f"{_MAP.value} map {list(layer_map.layers)} -> {out}")
+  print(f"{v['map']} map {list(layer_map.layers)} -> {out}")
 
 
 if __name__ == "__main__":
-  cli.run(main, "jaxspec.specattn_map")
+  _flags = _define_flags()
+  cli.run(lambda argv: main(argv, _flags), "jaxspec.specattn_map")
