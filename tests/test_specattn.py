@@ -17,24 +17,13 @@ from jaxspec.model.config import ModelConfig
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
 from pallas_kernels.topp_select import topp_select_reference
+from test_speculative import sharpen
 
 
 def cfg(layers):
   return ModelConfig(arch="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
                      rope_theta=1000.0)
-
-
-def sharpen(model, qk=8.0, other=2.0):
-  """Peaked attention (see test_speculative.sharpen): with the near-uniform attention of a fresh
-  random model every key matters a little, top-p keeps almost everything and nothing is tested."""
-  for layer in model.layers:
-    for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-      lin.kernel[...] = lin.kernel[...] * qk
-    for lin in (layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
-                layer.mlp.up_proj, layer.mlp.down_proj):
-      lin.kernel[...] = lin.kernel[...] * other
-  return model
 
 
 @pytest.fixture(scope="module")
