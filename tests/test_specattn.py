@@ -161,3 +161,15 @@ def test_specattn_needs_a_draft_model_with_the_same_vocabulary(pair):
                                   head_dim=16), dtype=jnp.float32)
   with pytest.raises(ValueError, match="must share a tokenizer"):
     Runner(target, method="specattn", draft_model=other)
+
+
+def test_sampled_specattn_runs_and_reports_acceptance(pair):
+  """Sampling takes the draft's distributions beside its attention rows (the non-greedy path)."""
+  from jaxspec.engine.sampling import SamplingParams
+  target, draft = pair
+  out, stats = Runner(target, method="specattn", draft_model=draft, gamma=GAMMA, top_p_attn=0.9,
+                      layer_map=LAYERS, cache_dtype=jnp.float32, stop_ids=(),
+                      sampling=SamplingParams(temperature=1.0)).generate(PROMPTS, max_new_tokens=12,
+                                                                         seed=1)
+  assert [len(o) for o in out] == [12, 12] and all(0 <= t < 96 for o in out for t in o)
+  assert stats.extra["method"] == "specattn" and 1 <= stats.extra["mean_accepted_tokens"] <= 4
