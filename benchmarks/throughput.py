@@ -200,8 +200,9 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
                                                  steps_total, seed=1, mesh=mesh).cache,
                               prev_token=jnp.ones((batch,), jnp.int32))
     if runner.method == "specattn":
+      # A copy of the lengths: the loop donates the state, and one buffer cannot go twice.
       drafter = SpecAttnState(cache=drafter.cache, prev_token=drafter.prev_token,
-                              plan=config.drafter.empty_plan(ds.cache.lengths, cap))
+                              plan=config.drafter.empty_plan(jnp.copy(ds.cache.lengths), cap))
   else:
     scores = None
     if config.drafter.prefill_scores is not None:
