@@ -40,7 +40,10 @@ the mean accepted tokens per round, and (--profile) the drafting / verification 
 shares (`Runner.time_phases`) over a few rounds of the serving batch as it stands at the end of
 the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its
 own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
-(gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer).
+(gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer); method
+`specattn` too, and verifies over the draft's top-p attention sets (`specattn@0.95` keeps 0.95 of
+the mass, default --top_p_attn; layer map from --specattn_map, else proportional). SpecAttn
+CHANGES the output (approximate verification): its tok/s are not a lossless method's.
 --tp=N shards the model (and the draft model) over N devices (`jaxspec.model.sharding`); the
 copy ceiling in the JSON is still one device's. --disaggregate (short and long workloads) prefills
 the refills on a second device while the first one decodes (`Runner.serve`).
@@ -60,6 +63,7 @@ from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_setting
                                write_json)
 from jaxspec import cli, requests
 from jaxspec.drafting.draft_model import DraftModelState
+from jaxspec.drafting.specattn import DEFAULT_TOP_P, SpecAttnState
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.state import SpecState, capacity_for
@@ -71,7 +75,7 @@ WORKLOADS = [*workloads.WORKLOADS, "scale"]
 DEFAULT_MAX_NEW = {"short": 4096, "long": 1024, "continuation": 1024}
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
-_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "method 'draft': the draft model (a jaxspec "
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn: the draft model (a jaxspec "
                                    "model spec sharing --model's tokenizer, or random:<shape>)")
 _WORKLOAD = flags.DEFINE_enum("workload", "short", WORKLOADS, "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
@@ -85,6 +89,10 @@ _TREE = flags.DEFINE_list("tree", None, "draft a tree of these widths per depth 
                           "for every speculative entry without its own ('vegas/2.2.1.1')")
 _TREE_ORDER = flags.DEFINE_enum("tree_order", "bfs", ["bfs", "dfs"], "verification order of trees")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "KV ratio for drafting")
+_TOP_P_ATTN = flags.DEFINE_float("top_p_attn", DEFAULT_TOP_P, "specattn: kept draft attention mass "
+                                 "(specattn@p overrides it)")
+_SPECATTN_MAP = flags.DEFINE_string("specattn_map", None, "specattn: layer map JSON from "
+                                    "jaxspec.specattn_map (default: the proportional map)")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
 _BATCH = flags.DEFINE_integer("batch", 64, "decode slots")
@@ -133,7 +141,8 @@ def parse_entry(entry: str) -> tuple[str, float, int]:
   method, _, ratio = name.partition("@")
   table = dict(item.split("=") for item in _GAMMAS.value)
   gamma = own_gamma or table.get(entry, table.get(method, table.get("default", 4)))
-  return method, float(ratio) if ratio else _SPARSITY.value, int(gamma)
+  default = _TOP_P_ATTN.value if method == "specattn" else _SPARSITY.value
+  return method, float(ratio) if ratio else default, int(gamma)
 
 
 def entry_tree(entry: str) -> tuple[str, tuple[int, ...] | None]:
@@ -161,10 +170,19 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
                 ) -> Runner:
   method, ratio, g = parse_entry(entry)
   widths = entry_tree(entry)[1]
-  return Runner(model, method=method, gamma=None if widths else g, sparsity=ratio,
+  if method == "specattn":
+    layers = None
+    if _SPECATTN_MAP.value:
+      from jaxspec.specattn_map import load_map
+      layers = load_map(_SPECATTN_MAP.value, model, draft_model).layers
+    settings = dict(top_p_attn=ratio, layer_map=layers)
+  else:
+    settings = dict(sparsity=ratio)
+  return Runner(model, method=method, gamma=None if widths else g,
                 min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                draft_model=draft_model if method == "draft" else None, sampling=sampling,
-                stop_ids=stop_ids, backend=backend, tree=widths, tree_order=_TREE_ORDER.value)
+                draft_model=draft_model if method in ("draft", "specattn") else None,
+                sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
+                tree_order=_TREE_ORDER.value, **settings)
 
 
 def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_total: int):
@@ -177,10 +195,16 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
   if not runner.speculative:
     return ds
   config = runner.config(cap)
-  if runner.method == "draft":
+  if runner.method in ("draft", "specattn"):
     drafter = DraftModelState(cache=filled_state(runner.draft_model.cfg, batch, context - 1, cap,
                                                  steps_total, seed=1, mesh=mesh).cache,
                               prev_token=jnp.ones((batch,), jnp.int32))
+    if runner.method == "specattn":
+      # A copy of the lengths: the loop donates the state, and one buffer cannot go twice.
+      zeros = jnp.zeros((batch,), jnp.float32)
+      drafter = SpecAttnState(cache=drafter.cache, prev_token=drafter.prev_token,
+                              plan=config.drafter.empty_plan(jnp.copy(ds.cache.lengths), cap),
+                              kept=zeros, prefix=jnp.zeros_like(zeros))
   else:
     scores = None
     if config.drafter.prefill_scores is not None:

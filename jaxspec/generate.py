@@ -5,6 +5,8 @@
   python -m jaxspec.generate --method=vegas --gamma=6 --sparsity=0.07 --min_tokens=256 --prompt "..."
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=draft \
       --draft_model=qwen2.5-coder-0.5b --gamma=4 --prompt "..."
+  python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=specattn \
+      --draft_model=qwen2.5-coder-0.5b --top_p_attn=0.97 --prompt "..."   # changes the output
   python -m jaxspec.generate --method=vegas --tree=2,2,1,1 --prompt "..."   # a draft tree
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --tp=2 --prompt "..."   # two devices
 
@@ -13,6 +15,10 @@ completion is printed when it finishes), one stats line to stderr. Speculative m
 lossless: sampled text follows plain decoding's distribution, and greedy text equals plain greedy
 decoding exactly with --dtype=float32; in bfloat16 (the default) the verification pass rounds
 differently from a one-token step, so a greedy text can part from plain decoding's at a near-tie.
+--method=specattn is the exception: its verification attends sparsely (the keys the draft model's
+attention kept), so its text is that masked target's, not the model's own (approximate
+verification; see jaxspec/drafting/specattn.py). Its layer map is read from beside the target
+(`python -m jaxspec.specattn_map` writes it), else --specattn_map, else the proportional map.
 Bad flags fail with one line before the model loads; Ctrl-C exits with status 130 and one line.
 """
 from __future__ import annotations
@@ -25,11 +31,12 @@ import numpy as np
 from absl import flags
 
 from jaxspec import cli, requests
-from jaxspec.drafting import policies
+from jaxspec.drafting import policies, specattn
 from jaxspec.engine.sampling import SamplingParams
 
 # jaxspec.engine.runner.METHODS.
-METHODS = ("none", "draft", *policies.SELF_DRAFTING)
+METHODS = ("none", "draft", "specattn", *policies.SELF_DRAFTING)
+DRAFT_MODEL_METHODS = ("draft", "specattn")
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m",
                              "orbax checkpoint dir, HF dir, .gguf file or demo name "
@@ -49,11 +56,22 @@ _MAX_LEN = flags.DEFINE_integer("max_len", None, "cache slots per sequence (prom
                                 "max_new_tokens, capped at the context")
 _METHOD = flags.DEFINE_enum("method", "none", list(METHODS),
                             "decoding method: none = vanilla; draft = a separate --draft_model "
-                            "drafts; the rest draft with the model itself over a KV selection. "
-                            "The speculative ones are lossless (greedy output equals vanilla's "
-                            "exactly in float32; in bfloat16 it can part at a near-tie)")
-_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "method draft: the draft model (any --model "
-                                   "spec with the same tokenizer), e.g. qwen2.5-coder-0.5b")
+                            "drafts; specattn = a --draft_model drafts and its attention picks "
+                            "the keys the model verifies with (CHANGES the output: approximate "
+                            "verification); the rest draft with the model itself over a KV "
+                            "selection. All but specattn are lossless (greedy output equals "
+                            "vanilla's exactly in float32; in bfloat16 it can part at a near-tie)")
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft and specattn: the draft model "
+                                   "(any --model spec with the same tokenizer), e.g. "
+                                   "qwen2.5-coder-0.5b")
+_TOP_P_ATTN = flags.DEFINE_float("top_p_attn", 0.97, "specattn: the draft attention mass each "
+                                 "draft row keeps, in (0, 1]; lower = sparser verification and "
+                                 "output further from the model's own")
+_SPECATTN_MAP = flags.DEFINE_string("specattn_map", None, "specattn: the layer map JSON (default: "
+                                    "the one jaxspec.specattn_map saved beside --model for this "
+                                    "--draft_model, else the proportional map)")
+_ATTN_CAP = flags.DEFINE_integer("attn_cap", None, "specattn: the most keys (besides the new "
+                                 "tokens) a verification attends to per layer (default: no cap)")
 _GAMMA = flags.DEFINE_integer("gamma", None, "draft tokens per round (speculative methods; "
                               "default 6, with --tree its depth)")
 _TREE = flags.DEFINE_list("tree", None, "draft a tree of these widths per depth (e.g. 2,2,1,1: "
@@ -165,14 +183,36 @@ def check_flags() -> SamplingParams:
     if _METHOD.value in policies.SELF_DRAFTING:
       policies.validate(_METHOD.value, ratio=_SPARSITY.value, min_tokens=_MIN_TOKENS.value,
                         score_kind=_SCORE.value)
-    if _METHOD.value == "draft" and _DRAFT_MODEL.value is None:
-      raise ValueError("--method=draft needs --draft_model")
-    if _METHOD.value != "draft" and _DRAFT_MODEL.value is not None:
-      raise ValueError(f"--draft_model is only for --method=draft, not --method={_METHOD.value}")
+    if _METHOD.value in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is None:
+      raise ValueError(f"--method={_METHOD.value} needs --draft_model")
+    if _METHOD.value not in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is not None:
+      raise ValueError(f"--draft_model is only for --method=draft or specattn, not "
+                       f"--method={_METHOD.value}")
+    if _METHOD.value == "specattn":
+      specattn.check_top_p(_TOP_P_ATTN.value)
+      if _ATTN_CAP.value is not None:
+        requests.check_count("--attn_cap", _ATTN_CAP.value)
+      if _TP.value != 1:
+        raise ValueError("--method=specattn runs on one device (no --tp yet)")
     requests.check_count("--tp", _TP.value)
   except ValueError as e:
     fail(str(e))
   return sampling
+
+
+def specattn_layers(target, draft) -> tuple[int, ...] | None:
+  """The SpecAttn layer map: --specattn_map, else the one saved beside the target for this draft
+  model, else None (the proportional map, said on stderr). A map for another pair: ValueError."""
+  from jaxspec import specattn_map
+  path = _SPECATTN_MAP.value
+  if path is None:
+    saved = specattn_map.default_map_path(target.source, _DRAFT_MODEL.value)
+    if not saved.is_file():
+      print(f"[jaxspec] no SpecAttn layer map at {saved}: using the proportional map "
+            "(python -m jaxspec.specattn_map makes the KL map)", file=sys.stderr)
+      return None
+    path = saved
+  return specattn_map.load_map(path, target.model, draft.model).layers
 
 
 def main(argv):
@@ -189,6 +229,7 @@ def main(argv):
     if _DRAFT_MODEL.value is not None:
       draft = load_model(_DRAFT_MODEL.value, dtype=dtype, tp=_TP.value)
       check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
+    layer_map = specattn_layers(loaded, draft) if _METHOD.value == "specattn" else None
   except (OSError, ValueError) as e:
     fail(str(e))
   tok = loaded.tokenizer
@@ -205,7 +246,8 @@ def main(argv):
     runner = Runner(loaded.model, method=_METHOD.value, gamma=_GAMMA.value,
                     sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
                     draft_model=draft and draft.model, sampling=sampling, stop_ids=stop_ids,
-                    cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value)
+                    cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value,
+                    top_p_attn=_TOP_P_ATTN.value, layer_map=layer_map, attn_cap=_ATTN_CAP.value)
     outputs, stats = runner.generate(ids, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
                                      seed=_SEED.value, on_chunk=streamer)
   except ValueError as e:

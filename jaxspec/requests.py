@@ -131,6 +131,8 @@ def check_request(cfg: ModelConfig, prompts: Any, max_new_tokens: Any, max_len: 
 
 # Methods that draft one token per step by construction (quest picks pages per query token).
 _CHAIN_ONLY = ("quest",)
+# Methods that build one mask per round from a chain's draft rows.
+_ROUND_MASK = ("specattn",)
 MAX_TREE_NODES = 32   # the ancestor bitmask is one int32 per row
 
 
@@ -145,6 +147,9 @@ def check_tree(tree: Any, order: str, method: str, gamma: Any):
     raise ValueError("a draft tree needs a speculative method, not 'none'")
   if method in _CHAIN_ONLY:
     raise ValueError(f"method {method!r} drafts one token per step and cannot draft a tree")
+  if method in _ROUND_MASK:
+    raise ValueError(f"method {method!r} builds its attention mask from a chain's draft rows and "
+                     "cannot draft a tree")
   if order not in ORDERS:
     raise ValueError(f"tree order must be one of {', '.join(ORDERS)}, got {order!r}")
   if not isinstance(tree, Tree):

@@ -50,6 +50,22 @@ def test_bad_flags_fail_in_one_line_before_the_model_loads(tmp_path, args, messa
   assert len(res.stderr.strip().splitlines()) == 1 and "nope" not in res.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--method=specattn"], "--method=specattn needs --draft_model"),
+    (["--method=specattn", "--draft_model=x", "--top_p_attn=0"],
+     "top_p_attn (SpecAttn's kept attention mass) must be in (0, 1], got 0.0"),
+    (["--method=specattn", "--draft_model=x", "--top_p_attn=1.01"], "must be in (0, 1], got 1.01"),
+    (["--method=specattn", "--draft_model=x", "--attn_cap=0"], "--attn_cap must be an integer >= 1"),
+    (["--method=specattn", "--draft_model=x", "--tree=2,1"], "builds its attention mask from a chain"),
+    (["--method=vegas", "--draft_model=x"], "--draft_model is only for --method=draft or specattn"),
+])
+def test_bad_specattn_flags_fail_in_one_line(tmp_path, args, message):
+  res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", *args)
+  assert res.returncode == 1
+  assert res.stderr.startswith("jaxspec.generate: error: ") and message in res.stderr, res.stderr
+  assert len(res.stderr.strip().splitlines()) == 1
+
+
 def test_prompt_file_that_is_not_utf8(tmp_path):
   bad = tmp_path / "latin1.txt"
   bad.write_bytes("caf\u00e9\n".encode("latin-1"))

@@ -105,6 +105,9 @@ def test_throughput_method_entries():
     assert throughput.parse_entry("vegas@0.04/2.2.1") == ("vegas", 0.04, 3)
     assert throughput.entry_tree("draft:4/3.1") == ("draft:4", (3, 1))
     assert throughput.entry_tree("streaming:4") == ("streaming:4", None)
+  with flagsaver.flagsaver(gammas=["default=4"], top_p_attn=0.97):   # specattn@p: the kept mass
+    assert throughput.parse_entry("specattn") == ("specattn", 0.97, 4)
+    assert throughput.parse_entry("specattn@0.95:6") == ("specattn", 0.95, 6)
   with flagsaver.flagsaver(tree=["2", "1"]):
     assert throughput.entry_tree("vegas") == ("vegas", (2, 1))
     assert throughput.entry_tree("vegas/3") == ("vegas", (3,))
@@ -123,3 +126,24 @@ def test_insert_slot_refuses_a_batch_one_state():
                     jnp.int32(1))
   np.testing.assert_array_equal(out["tokens"].sum(axis=1), [0, 4, 0])
   np.testing.assert_array_equal(out["key"], [0, 0])            # no batch axis: the big state's
+
+
+def test_throughput_scale_run_of_specattn():
+  """The scale workload builds SpecAttn's starting state by hand (its plan's lengths a copy: the
+  loop donates the state) and times its rounds."""
+  from absl import flags
+  from absl.testing import flagsaver
+  from benchmarks import throughput
+  from jaxspec.engine.sampling import SamplingParams
+  from jaxspec.model.config import ModelConfig
+  from jaxspec.model.transformer import init_random
+  flags.FLAGS.mark_as_parsed()
+  cfg = lambda n: ModelConfig(arch="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
+                              num_layers=n, num_heads=4, num_kv_heads=2, head_dim=16)
+  target = init_random(cfg(4), dtype=jnp.bfloat16)
+  draft = init_random(cfg(2), dtype=jnp.bfloat16, seed=1)
+  with flagsaver.flagsaver(gammas=["default=2"], profile=False):
+    rows = throughput.scale_run(target, draft, ["specattn@0.9"], 2, 100, SamplingParams(),
+                                "reference")
+  assert "error" not in rows[0], rows[0]
+  assert rows[0]["sparsity"] == 0.9 and rows[0]["ms_per_round"] > 0

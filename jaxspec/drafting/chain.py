@@ -12,39 +12,41 @@ from jaxspec.model.transformer import Transformer
 
 def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan, backend: str,
                 gamma: int, key: jax.Array, sampling: SamplingParams
-                ) -> tuple[KVCache, jax.Array, jax.Array | None]:
+                ) -> tuple[KVCache, jax.Array, jax.Array | None, jax.Array | None]:
   """Feed `first` [B, T0] at cache slots (and positions) cache.lengths.., sample d_1 from its last
   row, then feed d_1..d_{gamma-1} one at a time (a `lax.scan`), sampling d_2..d_gamma.
 
   Returns (the cache with the fed tokens' K/V written, lengths unchanged; drafts [B, gamma]; the
   distributions they were drawn from [B, gamma, V], or None when greedy: greedy verification needs
-  only the tokens, so the [B, gamma, V] buffer is skipped). Step i uses the i-th of gamma keys
-  split from `key`.
+  only the tokens, so the [B, gamma, V] buffer is skipped; the scores `plan` asks for, one entry
+  per step [gamma, L, B, ...] (step i's rows are those that sampled d_{i+1}), or None). Step i uses
+  the i-th of gamma keys split from `key`.
   """
   start = cache.lengths
   step_keys = jax.random.split(key, gamma)
 
   def step(cache, tokens, offset, step_key):
     positions = start[:, None] + offset + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    hidden, cache, _ = model(tokens, positions, cache.replace(lengths=start + offset), plan,
-                             backend)
+    hidden, cache, scores = model(tokens, positions, cache.replace(lengths=start + offset), plan,
+                                  backend)
     logits = model.logits(hidden[:, -1])
     if sampling.greedy:
-      return cache, sample(step_key, logits, sampling), None
-    return (cache, *sample_with_probs(step_key, logits, sampling))
+      return cache, sample(step_key, logits, sampling), None, scores
+    return (cache, *sample_with_probs(step_key, logits, sampling), scores)
 
   t0 = first.shape[1]
-  cache, d1, p1 = step(cache, first, 0, step_keys[0])
+  cache, d1, p1, s1 = step(cache, first, 0, step_keys[0])
 
   def body(carry, xs):
     cache, token = carry
     i, step_key = xs
-    cache, nxt, probs = step(cache, token[:, None], t0 - 1 + i, step_key)
-    return (cache, nxt), (nxt, probs)
+    cache, nxt, probs, scores = step(cache, token[:, None], t0 - 1 + i, step_key)
+    return (cache, nxt), (nxt, probs, scores)
 
-  (cache, _), (rest, rest_probs) = jax.lax.scan(
+  (cache, _), (rest, rest_probs, rest_scores) = jax.lax.scan(
       body, (cache, d1), (jnp.arange(1, gamma, dtype=jnp.int32), step_keys[1:]))
   drafts = jnp.concatenate([d1[:, None], rest.T], axis=1)
   probs = None if p1 is None else jnp.concatenate([p1[:, None], jnp.swapaxes(rest_probs, 0, 1)],
                                                   axis=1)
-  return cache.replace(lengths=start), drafts, probs
+  scores = None if s1 is None else jnp.concatenate([s1[None], rest_scores], axis=0)
+  return cache.replace(lengths=start), drafts, probs, scores

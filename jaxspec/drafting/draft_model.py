@@ -60,20 +60,33 @@ class DraftModelDrafter:
 
   def draft(self, target: Transformer, draft: Transformer, state: SpecState, config: RunConfig
             ) -> tuple[SpecState, jax.Array, jax.Array | None]:
+    state, drafts, probs, _ = self.run_draft(draft, state, config, Dense())
+    return state, drafts, probs
+
+  def run_draft(self, draft: Transformer, state: SpecState, config: RunConfig, plan: Dense
+                ) -> tuple[SpecState, jax.Array, jax.Array | None, jax.Array | None]:
+    """The round's draft steps over the draft cache with `plan` (Dense, collecting the scores it
+    asks for: SpecAttn's attention rows). Returns (state, drafts, their distributions or None,
+    per-step scores [gamma, L, B, ...] for a chain, else None)."""
     ds, dm = state.decode, state.drafter
     # Finished sequences ride along; the clamp keeps their writes in bounds (see self-drafting).
     start = jnp.minimum(ds.cache.lengths, ds.cache.capacity - config.reserve)
     key, sub = jax.random.split(ds.key)
     first = jnp.stack([dm.prev_token, ds.last_token], axis=1)
     cache = dm.cache.replace(lengths=start - 1)
+    scores = None
     if config.tree is None:
-      cache, drafts, probs = draft_chain(draft, cache, first, Dense(), config.backend,
-                                         config.gamma, sub, config.sampling)
+      cache, drafts, probs, scores = draft_chain(draft, cache, first, plan, config.backend,
+                                                 config.gamma, sub, config.sampling)
     else:
-      cache, drafts, probs = draft_tree(draft, cache, first, Dense(), config.backend, config.tree,
+      cache, drafts, probs = draft_tree(draft, cache, first, plan, config.backend, config.tree,
                                         sub, config.sampling)
     state = state.replace(decode=ds.replace(key=key), drafter=dm.replace(cache=cache))
-    return state, drafts, probs
+    return state, drafts, probs, scores
+
+  def verify_plan(self, state: SpecState) -> Dense:
+    """Full attention: the target verifies exactly."""
+    return Dense(scores=self.verify_scores)
 
   def update(self, state: SpecState, verified: jax.Array, scores: None, first_row: jax.Array,
              accepted: jax.Array, last_node: jax.Array, config: RunConfig) -> SpecState:

@@ -15,7 +15,7 @@ from jaxspec.drafting.policies import SelectionPolicy
 from jaxspec.drafting.tree_draft import draft_tree
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.state import DecodeState, SpecState
-from jaxspec.model.attention import Plan, ScoreSpec
+from jaxspec.model.attention import Dense, Plan, ScoreSpec
 from jaxspec.model.transformer import Transformer
 
 
@@ -55,12 +55,16 @@ class SelfDrafter:
     key, sub = jax.random.split(ds.key)
     cache = ds.cache.replace(lengths=start)
     if config.tree is None:
-      cache, drafts, probs = draft_chain(target, cache, ds.last_token[:, None], state.drafter,
-                                         config.backend, config.gamma, sub, config.sampling)
+      cache, drafts, probs, _ = draft_chain(target, cache, ds.last_token[:, None], state.drafter,
+                                            config.backend, config.gamma, sub, config.sampling)
     else:
       cache, drafts, probs = draft_tree(target, cache, ds.last_token[:, None], state.drafter,
                                         config.backend, config.tree, sub, config.sampling)
     return state.replace(decode=ds.replace(cache=cache, key=key)), drafts, probs
+
+  def verify_plan(self, state: SpecState) -> Dense:
+    """The target verifies with full attention, collecting the scores the policy selects from."""
+    return Dense(scores=self.verify_scores)
 
   def update(self, state: SpecState, verified: jax.Array, scores: jax.Array | None,
              first_row: jax.Array, accepted: jax.Array, last_node: jax.Array,

@@ -12,14 +12,18 @@ avoid compiling again.
   time_phases(state, ...)  draft / verify / update timed separately (speculative methods)
 
 Methods (`METHODS`): 'none' is vanilla decoding, its compiled step the plain one-token step (the
-baseline every speedup is measured against); 'draft' drafts with a separate draft model; the rest
-are self-drafting policies (`jaxspec.drafting.policies`).
+baseline every speedup is measured against); 'draft' drafts with a separate draft model;
+'specattn' drafts with a draft model and verifies with sparse attention picked by the draft's
+attention (`jaxspec.drafting.specattn`): it CHANGES the output (approximate verification, exact
+with respect to the masked target); the rest are self-drafting policies
+(`jaxspec.drafting.policies`).
 
 Tensor parallelism: `Runner(model, tp=N)` places the model (and the draft model) on a `tp` mesh of
 N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned by XLA, with the
 attention kernels under `shard_map`. A model loaded with `load_model(..., tp=N)` is already placed.
 
-Greedy speculative output equals vanilla greedy output exactly in float32. In bfloat16 the
+Greedy speculative output equals vanilla greedy output exactly in float32 ('specattn' excepted:
+its output is the sparse-attention target's). In bfloat16 the
 verification pass (gamma + 1 rows) and the one-token step round differently, so texts can part
 at near-ties. Sampled output follows the same distribution as vanilla sampling.
 """
@@ -40,6 +44,7 @@ from tqdm import tqdm
 
 from jaxspec import requests
 from jaxspec.drafting import policies
+from jaxspec.drafting import specattn
 from jaxspec.drafting.draft_model import DraftModelDrafter
 from jaxspec.drafting.self_drafting import SelfDrafter
 from jaxspec.drafting.trees import Tree
@@ -54,7 +59,8 @@ from jaxspec.model import sharding
 from jaxspec.model.attention import check_backend, default_backend
 from jaxspec.model.transformer import Transformer
 
-METHODS = ("none", "draft", *policies.SELF_DRAFTING)
+METHODS = ("none", "draft", "specattn", *policies.SELF_DRAFTING)
+DRAFT_MODEL_METHODS = ("draft", "specattn")
 DEFAULT_GAMMA = 6
 # Disaggregated serving: prefills kept in flight on the prefill device beyond the free slots, so
 # that slots finishing at the next chunk boundary find theirs ready (each holds a batch-1 cache
@@ -112,8 +118,11 @@ class Runner:
 
   method: one of METHODS; gamma: drafts per round (static); sparsity: the fraction of the prefix
   self-drafts attend to, in (0, 1]; min_tokens: the budget floor; score_kind: 'logits' | 'weights'
-  for the vegas family; draft_model: the drafter for method 'draft' (same vocabulary as the
-  target); stop_ids: a sequence stops at its first stop id (kept in the output), None = the
+  for the vegas family; draft_model: the drafter for methods 'draft' and 'specattn' (same
+  vocabulary as the target); top_p_attn, layer_map, attn_cap: method 'specattn''s kept attention
+  mass in (0, 1], its map f (one draft layer per target layer, from `jaxspec.specattn_map`; None:
+  the proportional map floor(j * Ld / Lt)) and its index-list cap K_max (None: the cache
+  capacity), see `jaxspec.drafting.specattn.SpecAttnConfig`; stop_ids: a sequence stops at its first stop id (kept in the output), None = the
   model's end-of-sequence ids, () = none; backend: 'reference', 'pallas' or 'interpret' (default:
   pallas on a GPU); tree: draft a tree instead of a chain, given as widths per depth ((2, 2, 1, 1):
   the root's 2 children, 2 each for them, then 1 and 1) or a `drafting.trees.Tree`, verified in
@@ -128,19 +137,29 @@ class Runner:
                draft_model: Transformer | None = None, sampling: SamplingParams = SamplingParams(),
                stop_ids: Sequence[int] | None = None, cache_dtype=jnp.bfloat16,
                backend: str | None = None, tree: Sequence[int] | Tree | None = None,
-               tree_order: str = "bfs", tp: int | None = None):
+               tree_order: str = "bfs", tp: int | None = None,
+               top_p_attn: float = specattn.DEFAULT_TOP_P, layer_map: Sequence[int] | None = None,
+               attn_cap: int | None = None):
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method == "draft" and draft_model is None:
-      raise ValueError("method 'draft' needs a draft model (--draft_model)")
-    if method != "draft" and draft_model is not None:
+    if method in DRAFT_MODEL_METHODS and draft_model is None:
+      raise ValueError(f"method {method!r} needs a draft model (--draft_model)")
+    if method not in DRAFT_MODEL_METHODS and draft_model is not None:
       raise ValueError(f"a draft model was given, but method {method!r} does not use one "
-                       "(use method 'draft')")
+                       "(use method 'draft' or 'specattn')")
     if draft_model is not None and draft_model.cfg.vocab_size != model.cfg.vocab_size:
       raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) is not "
                        f"the target's ({model.cfg.vocab_size}): they must share a tokenizer")
     if method in policies.SELF_DRAFTING:
       policies.validate(method, ratio=sparsity, min_tokens=min_tokens, score_kind=score_kind)
+    self.specattn = None
+    if method == "specattn":
+      from jaxspec.specattn_map import check_layers, proportional_map
+      lt, ld = model.cfg.num_layers, draft_model.cfg.num_layers
+      layers = proportional_map(lt, ld) if layer_map is None else check_layers(layer_map, lt, ld)
+      if tp not in (None, 1) or model.mesh is not None:
+        raise ValueError("method 'specattn' runs on one device (no tensor parallelism yet)")
+      self.specattn = specattn.SpecAttnConfig(layers=layers, top_p=top_p_attn, cap=attn_cap)
     self.method = method
     self.tree = requests.check_tree(tree, tree_order, method, gamma)
     if method == "none":
@@ -181,6 +200,8 @@ class Runner:
     drafter = None
     if self.method == "draft":
       drafter = DraftModelDrafter()
+    elif self.method == "specattn":
+      drafter = specattn.SpecAttnDrafter(spec=self.specattn)
     elif self.speculative:
       drafter = SelfDrafter(policies.make_policy(
           self.method, ratio=self.sparsity, min_tokens=self.min_tokens,
@@ -253,7 +274,8 @@ class Runner:
     `on_chunk(tokens [B, N], num_new [B], done [B])` runs on the host after prefill and after
     every chunk (for streaming). stats.extra for speculative methods: method, gamma,
     mean_accepted_tokens (per round, incl. the corrected/bonus token), acceptance_by_position
-    (gamma floats), verify_rounds (sequence-rounds counted).
+    (gamma floats), verify_rounds (sequence-rounds counted); for 'specattn' also kv_kept_share
+    (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`).
     """
     if chunk is None:
       chunk = 16 if self.speculative else 64
@@ -296,6 +318,8 @@ class Runner:
           gamma=self.gamma, mean_accepted_tokens=round(acc["mean_accepted_tokens"], 4),
           acceptance_by_position=[round(p, 4) for p in acc["acceptance_by_position"]],
           verify_rounds=acc["verify_rounds"])
+    if self.method == "specattn":
+      stats.extra["kv_kept_share"] = round(specattn.SpecAttnDrafter.kept_share(state.drafter), 4)
     return [tokens[i, :num_new[i]].tolist() for i in range(len(prompts))], stats
 
   # -- continuous batching -----------------------------------------------------------------------

@@ -8,7 +8,9 @@ not yet in the cache):
              (`jaxspec.drafting.self_drafting`), a draft model its own dense steps over its own
              cache (`jaxspec.drafting.draft_model`).
   verify     ONE target forward pass over [last_token, d_1..d_gamma] at positions n..n+gamma with
-             full attention: it writes their exact K/V, gives the target logits (p) and, for
+             full attention (SpecAttn: sparse attention chosen from the draft model's attention,
+             an approximate verification; `jaxspec.drafting.specattn`): it writes their exact
+             K/V, gives the target logits (p) and, for
              score-based policies, the criticality scores. `rejection.verify_drafts` accepts a_b
              drafts and picks the corrected or bonus token. cache.lengths += a_b + 1 (last_token
              and the accepted drafts; rejected entries are dropped by lengths, never copied), then
@@ -47,7 +49,9 @@ from jaxspec.model.transformer import Transformer
 def verify(target: Transformer, state: SpecState, drafts: jax.Array,
            draft_probs: jax.Array | None, config: RunConfig
            ) -> tuple[SpecState, jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
-  """Full-attention verification of [last_token, drafts] in one pass, accept/reject, append.
+  """Verification of [last_token, drafts] in one pass, accept/reject, append. The drafter's
+  `verify_plan(state)` is the target's attention: full attention for every drafter but SpecAttn's,
+  whose sparse plan makes the target an approximation (`jaxspec.drafting.specattn`).
 
   Returns (state with lengths moved and tokens appended, the verified tokens along the accepted
   path [B, gamma + 1] (root first; the chain's tokens are that path), the scores the drafter asked
@@ -60,8 +64,8 @@ def verify(target: Transformer, state: SpecState, drafts: jax.Array,
   start = ds.cache.lengths
   tokens = jnp.concatenate([ds.last_token[:, None], drafts], axis=1)          # [B, gamma + 1]
   positions = start[:, None] + jnp.arange(config.gamma + 1, dtype=jnp.int32)[None]
-  hidden, cache, scores = target(tokens, positions, ds.cache,
-                                 Dense(scores=config.drafter.verify_scores), config.backend)
+  hidden, cache, scores = target(tokens, positions, ds.cache, config.drafter.verify_plan(state),
+                                 config.backend)
   target_logits = target.logits(hidden)                                      # [B, gamma + 1, V]
   key, sub = jax.random.split(ds.key)
   verdict = rejection.verify_drafts(sub, drafts, draft_probs, target_logits, config.sampling)

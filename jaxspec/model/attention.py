@@ -19,6 +19,8 @@ Plans:
                the policies' selection *is* this plan.
   QuestPages   one new query against the Quest-selected pages plus the dense tail: the page scores
                are computed here from the current query and per-page key summaries.
+  LayerMapped  per layer, Dense or one of a few shared `Sparse` selections (SpecAttn's
+               verification: target layers reading the same draft layer share its selection).
 Dense and Sparse take an optional `tree_bits` [T] or [B, T] int32 (a draft tree's
 `Tree.ancestor_bits`, shared by all layers): query t then sees what the plan shows it before
 `lengths` and key lengths + i iff bit i of tree_bits[t] is set (i < 32), instead of the causal
@@ -132,7 +134,25 @@ class QuestPages:
     return self.replace(pages=self.pages[i], page_min=self.page_min[i], page_max=self.page_max[i])
 
 
-Plan = Union[Prefill, Dense, Sparse, QuestPages]
+@struct.dataclass
+class LayerMapped:
+  """Layer i attends densely when slots[i] < 0, else as `Sparse` with selection slots[i]:
+  indices[slots[i]][:, :counts] (positions before tail_start) plus every position from tail_start
+  on. indices [U, B, K], counts [U, B] (U selections, each shared by the layers whose slot it is),
+  tail_start [B]; slots: one entry per layer, static."""
+  indices: jax.Array
+  counts: jax.Array
+  tail_start: jax.Array
+  slots: tuple[int, ...] = struct.field(pytree_node=False, default=())
+
+  def for_layer(self, i: int) -> Union[Dense, Sparse]:
+    u = self.slots[i]
+    if u < 0:
+      return Dense()
+    return Sparse(indices=self.indices[u], counts=self.counts[u], tail_start=self.tail_start)
+
+
+Plan = Union[Prefill, Dense, Sparse, QuestPages, LayerMapped]
 
 
 def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
