@@ -122,8 +122,8 @@ class Runner:
   vocabulary as the target); top_p_attn, layer_map, attn_cap: method 'specattn''s kept attention
   mass in (0, 1], its map f (one draft layer per target layer, from `jaxspec.specattn_map`; None:
   the proportional map floor(j * Ld / Lt)) and its index-list cap K_max (None: the cache
-  capacity), see `jaxspec.drafting.specattn.SpecAttnConfig`; stop_ids: a sequence stops at its first stop id (kept in the output), None = the
-  model's end-of-sequence ids, () = none; backend: 'reference', 'pallas' or 'interpret' (default:
+  capacity), see `jaxspec.drafting.specattn.SpecAttnConfig`; stop_ids: a sequence stops at its
+  first stop id (kept in the output), None = the model's end-of-sequence ids, () = none; backend: 'reference', 'pallas' or 'interpret' (default:
   pallas on a GPU); tree: draft a tree instead of a chain, given as widths per depth ((2, 2, 1, 1):
   the root's 2 children, 2 each for them, then 1 and 1) or a `drafting.trees.Tree`, verified in
   one pass in `tree_order` ('bfs' or 'dfs'); gamma is then the tree's depth (default 6 for a
