@@ -1,4 +1,6 @@
 """Shared fixtures. Weight-loading fixtures are prefixed `weights_`."""
+import os
+
 import pytest
 
 from jaxspec import fetch
@@ -8,8 +10,9 @@ from jaxspec import fetch
 # whole files to the workers in collection order; starting these first leaves the short files to
 # even out the end instead of one worker running a long file while the other idles. Only the
 # balance depends on this list.
-LONG_FILES = ("test_engine.py", "test_speculative.py", "test_weights.py", "test_cli.py",
-              "test_tools.py", "test_kernels.py", "test_serving.py", "test_tensor_parallel.py")
+LONG_FILES = ("test_engine.py", "test_speculative.py", "test_tree_decoding.py", "test_cli.py",
+              "test_weights.py", "test_tools.py", "test_peer_hf.py", "test_tensor_parallel.py",
+              "test_kernels.py", "test_serving.py", "test_interrupts.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -42,7 +45,7 @@ def weights_smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
-def weights_smollm2_ckpt(weights_smollm2_gguf, tmp_path_factory, worker_id):
+def weights_smollm2_ckpt(weights_smollm2_gguf, tmp_path_factory):
   """The SmolLM2 GGUF converted once (bfloat16, as `jaxspec.fetch` does) into a temp checkpoint:
   loading it takes a second where the GGUF takes ten.
 
@@ -53,7 +56,7 @@ def weights_smollm2_ckpt(weights_smollm2_gguf, tmp_path_factory, worker_id):
 
   from jaxspec.convert import convert
   from jaxspec.io.weights.checkpoint import is_checkpoint
-  if worker_id == "master":   # not distributed: nothing to share
+  if "PYTEST_XDIST_WORKER" not in os.environ:   # not distributed: nothing to share
     return convert(weights_smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m",
                    progress=False)
   shared = tmp_path_factory.getbasetemp().parent / "smollm2"
