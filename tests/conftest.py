@@ -10,9 +10,9 @@ from jaxspec import fetch
 # whole files to the workers in collection order; starting these first leaves the short files to
 # even out the end instead of one worker running a long file while the other idles. Only the
 # balance depends on this list.
-LONG_FILES = ("test_engine.py", "test_speculative.py", "test_tree_decoding.py", "test_cli.py",
-              "test_weights.py", "test_tools.py", "test_peer_hf.py", "test_tensor_parallel.py",
-              "test_kernels.py", "test_serving.py", "test_interrupts.py")
+LONG_FILES = ("test_real_pair.py", "test_engine.py", "test_speculative.py", "test_tree_decoding.py",
+              "test_cli.py", "test_weights.py", "test_tools.py", "test_peer_hf.py",
+              "test_tensor_parallel.py", "test_kernels.py", "test_serving.py", "test_interrupts.py")
 
 
 def pytest_collection_modifyitems(items):
