@@ -10,8 +10,8 @@ not yet in the cache):
   verify     ONE target forward pass over [last_token, d_1..d_gamma] at positions n..n+gamma with
              full attention (SpecAttn: sparse attention chosen from the draft model's attention,
              an approximate verification; `jaxspec.drafting.specattn`): it writes their exact
-             K/V, gives the target logits (p) and, for
-             score-based policies, the criticality scores. `rejection.verify_drafts` accepts a_b
+             K/V, gives the target logits (p) and, for score-based policies, the criticality
+             scores. `rejection.verify_drafts` accepts a_b
              drafts and picks the corrected or bonus token. cache.lengths += a_b + 1 (last_token
              and the accepted drafts; rejected entries are dropped by lengths, never copied), then
              `state.append_tokens` handles stops, budgets and the gamma + 1 free slots the next
