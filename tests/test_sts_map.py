@@ -108,3 +108,42 @@ def test_map_file_checks_pair_and_budget(pair, tmp_path):
     with pytest.raises(ValueError, match=message) as e:
       call()
     assert "\n" not in str(e.value)
+
+
+def test_cli_flag_errors_are_one_line():
+  import subprocess
+  import sys
+  for args, message in [(["--target=x"], "give both --draft and --target"),
+                        (["--target=x", "--draft=y"], "give --budget"),
+                        (["--target=x", "--draft=y", "--budget=0"], "must be an integer >= 1, got 0")]:
+    res = subprocess.run([sys.executable, "-m", "jaxspec.sts_map", *args], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1
+    assert res.stderr.startswith("jaxspec.sts_map: error: ") and message in res.stderr
+    assert res.stderr.count("\n") == 1
+
+
+def test_cli_maps_a_real_model_then_generate_reads_the_map(weights_smollm2_ckpt, tmp_path):
+  """SmolLM2 against itself: every head maps to itself; generate runs STS with the map and refuses
+  it for another budget in one line."""
+  import json
+  import subprocess
+  import sys
+  ckpt, out = str(weights_smollm2_ckpt), tmp_path / "map.json"
+  res = subprocess.run([sys.executable, "-m", "jaxspec.sts_map", f"--target={ckpt}",
+                        f"--draft={ckpt}", "--budget=8", "--samples=2", "--max_tokens=40",
+                        "--rows=4", f"--out={out}"], capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-2000:]
+  saved = json.loads(out.read_text())
+  assert saved["budget"] == 8 and saved["granularity"] == "kv"
+  assert saved["heads"] == [[[j, h] for h in range(3)] for j in range(30)]
+  common = [sys.executable, "-m", "jaxspec.generate", f"--model={ckpt}", "--method=sts",
+            f"--draft_model={ckpt}", f"--sts_map={out}", "--gamma=2", "--max_new_tokens=5",
+            "--prompt=One, two, three, four,"]
+  res = subprocess.run([*common, "--sts_budget=8"], capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert "method sts" in res.stderr and res.stdout.strip()
+  res = subprocess.run([*common, "--sts_budget=16"], capture_output=True, text=True, timeout=600)
+  assert res.returncode == 1
+  assert res.stderr.startswith("jaxspec.generate: error: the STS head map") and \
+      "was made for budget 8, not 16" in res.stderr and res.stderr.count("\n") == 1
