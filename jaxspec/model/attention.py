@@ -20,7 +20,8 @@ Plans:
   QuestPages   one new query against the Quest-selected pages plus the dense tail: the page scores
                are computed here from the current query and per-page key summaries.
   LayerMapped  per layer, Dense or one of a few shared `Sparse` selections (SpecAttn's
-               verification: target layers reading the same draft layer share its selection).
+               verification: target layers reading the same draft layer share its selection;
+               STS's: one selection per layer, one index list per KV head).
 Dense and Sparse take an optional `tree_bits` [T] or [B, T] int32 (a draft tree's
 `Tree.ancestor_bits`, shared by all layers): query t then sees what the plan shows it before
 `lengths` and key lengths + i iff bit i of tree_bits[t] is set (i < 32), instead of the causal
