@@ -19,6 +19,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from jaxspec.model.attention import Dense, Prefill, ScoreSpec
 from jaxspec.model.kv_cache import KVCache
@@ -67,6 +68,39 @@ def attention_rows(model: Transformer, windows: jax.Array, rows: int, heads: str
                        Dense(scores=ScoreSpec("weights", per_row=True, heads=heads)))
   a = scores[..., :w].astype(jnp.float32)
   return jnp.where(jnp.isfinite(a) & (a > 0), a, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command-line tools
+
+def pair_flags() -> dict:
+  """The flags both map tools take (defined when a tool runs: other entry points import these
+  modules and define flags of the same names, --dtype and --out)."""
+  return dict(
+      draft=flags.DEFINE_string("draft", None, "the draft model (any --model spec of "
+                                "jaxspec.generate)"),
+      target=flags.DEFINE_string("target", None, "the target model"),
+      out=flags.DEFINE_string("out", None, "where to write the JSON (default: beside the target)"),
+      dtype=flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
+                              "weights and activations"))
+
+
+def check_pair_flags(v: dict) -> None:
+  if v["draft"] is None or v["target"] is None:
+    raise ValueError("give both --draft and --target")
+
+
+def load_pair(v: dict, tokenizer: bool):
+  """(target, draft) `LoadedModel`s of the flags' values, checked to share a tokenizer, the target
+  to have one when `tokenizer` (calibration text is encoded with it); else a ValueError."""
+  from jaxspec.io.loading import check_draft_pair, load_model
+  dtype = jnp.float32 if v["dtype"] == "float32" else jnp.bfloat16
+  target = load_model(v["target"], dtype=dtype)
+  draft = load_model(v["draft"], dtype=dtype)
+  check_draft_pair(target, draft, v["target"], v["draft"])
+  if tokenizer and target.tokenizer is None:
+    raise ValueError(f"{target.source} has no tokenizer: calibration text cannot be encoded")
+  return target, draft
 
 
 # ----------------------------------------------------------------------------------------------

@@ -176,19 +176,14 @@ def _define_flags() -> dict:
   """The CLI's flags, defined only when it runs: other entry points import this module's
   functions and define flags of the same names (--dtype, --out)."""
   return dict(
-      draft=flags.DEFINE_string("draft", None, "the draft model (any --model spec of "
-                                "jaxspec.generate)"),
-      target=flags.DEFINE_string("target", None, "the target model"),
+      pairmap.pair_flags(),
       map=flags.DEFINE_enum("map", "kl", list(MAP_KINDS), "kl: KL divergence + monotone DP (the "
                             "paper's); proportional: floor(j * Ld / Lt); argmax: unconstrained"),
-      out=flags.DEFINE_string("out", None, "where to write the JSON (default: beside the target)"),
       windows=flags.DEFINE_integer("windows", 32, "calibration windows"),
       window=flags.DEFINE_integer("window_tokens", 512, "tokens per calibration window"),
       rows=flags.DEFINE_integer("rows", 16, "the last rows of each window whose attention is "
                                 "compared"),
-      batch=flags.DEFINE_integer("batch", 4, "windows per forward pass"),
-      dtype=flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
-                              "weights and activations"))
+      batch=flags.DEFINE_integer("batch", 4, "windows per forward pass"))
 
 
 def fail(message: str):
@@ -201,23 +196,16 @@ def main(argv, f: dict):
   from jaxspec import requests
   v = {k: flag.value for k, flag in f.items()}
   try:
-    if v["draft"] is None or v["target"] is None:
-      raise ValueError("give both --draft and --target")
+    pairmap.check_pair_flags(v)
     for name in ("windows", "rows", "batch"):
       requests.check_count(f"--{name}", v[name])
     requests.check_count("--window_tokens", v["window"], v["rows"] + 1)
   except ValueError as e:
     fail(str(e))
-  from jaxspec.io.loading import check_draft_pair, load_model
-  dtype = jnp.float32 if v["dtype"] == "float32" else jnp.bfloat16
   try:
-    target = load_model(v["target"], dtype=dtype)
-    draft = load_model(v["draft"], dtype=dtype)
-    check_draft_pair(target, draft, v["target"], v["draft"])
+    target, draft = pairmap.load_pair(v, tokenizer=v["map"] != "proportional")
     sim = None
     if v["map"] != "proportional":
-      if target.tokenizer is None:
-        raise ValueError(f"{target.source} has no tokenizer: calibration text cannot be encoded")
       windows = calibration_windows(target.tokenizer.encode(pairmap.calibration_text()),
                                     v["windows"], v["window"])
       sim = kl_similarity(target.model, draft.model, windows, rows=v["rows"], batch=v["batch"],

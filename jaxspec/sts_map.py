@@ -147,11 +147,6 @@ class HeadMap:
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
-  def flat(self, draft_heads: int) -> tuple[tuple[int, ...], ...]:
-    """Per target layer, per head: the draft head's flat index (draft layer * draft_heads +
-    head)."""
-    return tuple(tuple(i * draft_heads + e for i, e in layer) for layer in self.heads)
-
 
 def make_map(overlap: np.ndarray, rows: int, target: Transformer, draft: Transformer,
              target_name: str, draft_name: str, budget: int, granularity: str = "kv") -> HeadMap:
@@ -218,20 +213,15 @@ def load_map(path: str | Path, target: Transformer, draft: Transformer, budget: 
 def _define_flags() -> dict:
   """The CLI's flags, defined only when it runs (other entry points import this module)."""
   return dict(
-      draft=flags.DEFINE_string("draft", None, "the draft model (any --model spec of "
-                                "jaxspec.generate)"),
-      target=flags.DEFINE_string("target", None, "the target model"),
+      pairmap.pair_flags(),
       budget=flags.DEFINE_integer("budget", None, "k: the keys each target head reads per round"),
       granularity=flags.DEFINE_enum("granularity", "kv", list(GRANULARITIES),
                                     "kv: map KV heads (group means; the default); q: query heads"),
-      out=flags.DEFINE_string("out", None, "where to write the JSON (default: beside the target)"),
       samples=flags.DEFINE_integer("samples", 100, "the first N WikiText-2 articles (the "
                                    "paper's 100)"),
       max_tokens=flags.DEFINE_integer("max_tokens", 1024, "tokens per sample, at most"),
       rows=flags.DEFINE_integer("rows", 64, "the last rows of each sample whose attention is "
-                                "compared"),
-      dtype=flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
-                              "weights and activations"))
+                                "compared"))
 
 
 def fail(message: str):
@@ -244,8 +234,7 @@ def main(argv, f: dict):
   from jaxspec import requests
   v = {k: flag.value for k, flag in f.items()}
   try:
-    if v["draft"] is None or v["target"] is None:
-      raise ValueError("give both --draft and --target")
+    pairmap.check_pair_flags(v)
     if v["budget"] is None:
       raise ValueError("give --budget (the keys each target head reads per round)")
     check_budget(v["budget"])
@@ -254,14 +243,8 @@ def main(argv, f: dict):
     requests.check_count("--max_tokens", v["max_tokens"], v["rows"] + v["budget"])
   except ValueError as e:
     fail(str(e))
-  from jaxspec.io.loading import check_draft_pair, load_model
-  dtype = jnp.float32 if v["dtype"] == "float32" else jnp.bfloat16
   try:
-    target = load_model(v["target"], dtype=dtype)
-    draft = load_model(v["draft"], dtype=dtype)
-    check_draft_pair(target, draft, v["target"], v["draft"])
-    if target.tokenizer is None:
-      raise ValueError(f"{target.source} has no tokenizer: calibration text cannot be encoded")
+    target, draft = pairmap.load_pair(v, tokenizer=True)
     samples = [t for t in (target.tokenizer.encode(a)[:v["max_tokens"]]
                            for a in wikitext_samples(pairmap.calibration_text(), v["samples"]))
                if len(t) >= v["rows"] + v["budget"]]

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.drafting.specattn import SpecAttnDrafter, capped_union, row_sets
+from jaxspec.sts_map import GRANULARITIES, check_budget
 from jaxspec.engine.config import RunConfig
 from jaxspec.model.attention import LayerMapped, ScoreSpec
 from pallas_kernels import topk_select as _topk
@@ -75,7 +76,6 @@ class STSConfig:
   granularity: str = "kv"
 
   def __post_init__(self):
-    from jaxspec.sts_map import GRANULARITIES, check_budget
     check_budget(self.budget)
     if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
       raise ValueError(f"the STS block (tokens per page) must be an integer >= 1, got "
