@@ -142,15 +142,21 @@ def head_map(heads, budget, granularity="kv"):
   return sts_map.HeadMap(heads=heads, budget=budget, granularity=granularity, target={}, draft={})
 
 
-@pytest.mark.parametrize("budget, block", [(8, 1), (12, 4)])
-def test_greedy_sts_equals_greedy_masked_target(pair, budget, block):
+# Query-head granularity: 4 query heads per target layer, each mapped to a draft query head.
+HEADS_Q = tuple(tuple(((j + h) % 2, (3 * j + h) % 4) for h in range(4)) for j in range(4))
+
+
+@pytest.mark.parametrize("budget, block, granularity", [(8, 1, "kv"), (12, 4, "kv"), (8, 1, "q")])
+def test_greedy_sts_equals_greedy_masked_target(pair, budget, block, granularity):
   target, draft = pair
+  heads = HEADS if granularity == "kv" else HEADS_Q
   runner = Runner(target, method="sts", draft_model=draft, gamma=GAMMA, sts_budget=budget,
-                  sts_block=block, head_map=head_map(HEADS, budget), cache_dtype=jnp.float32,
-                  stop_ids=())
+                  sts_block=block, head_map=head_map(heads, budget, granularity),
+                  cache_dtype=jnp.float32, stop_ids=())
   out, _ = runner.generate(PROMPTS, max_new_tokens=MAX_NEW)
   spec = runner.sts
-  assert spec == spec_of(budget, block)
+  assert spec == spec_of(budget, block, heads, granularity, draft_heads=2 if granularity == "kv"
+                         else 4)
   for prompt, got in zip(PROMPTS, out):
     assert got == masked_greedy(target, draft, prompt, GAMMA, MAX_NEW, spec.draft_scores,
                                 sts_plan(spec))
