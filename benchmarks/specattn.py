@@ -37,7 +37,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from benchmarks.common import device_name, git_commit, write_json

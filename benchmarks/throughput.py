@@ -218,8 +218,10 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
                               prev_token=jnp.ones((batch,), jnp.int32))
     if runner.method in ("specattn", "sts"):
       # A copy of the lengths: the loop donates the state, and one buffer cannot go twice.
+      zeros = jnp.zeros((batch,), jnp.float32)
       drafter = SpecAttnState(cache=drafter.cache, prev_token=drafter.prev_token,
-                              plan=config.drafter.empty_plan(jnp.copy(ds.cache.lengths), cap))
+                              plan=config.drafter.empty_plan(jnp.copy(ds.cache.lengths), cap),
+                              kept=zeros, prefix=jnp.zeros_like(zeros))
   else:
     scores = None
     if config.drafter.prefill_scores is not None:

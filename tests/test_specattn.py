@@ -123,6 +123,7 @@ def test_greedy_specattn_equals_greedy_masked_target(pair, top_p, cap):
                   layer_map=LAYERS, attn_cap=cap, cache_dtype=jnp.float32, stop_ids=())
   out, stats = runner.generate(PROMPTS, max_new_tokens=MAX_NEW)
   spec = runner.specattn
+  assert 0 < stats.extra["kv_kept_share"] < 1   # peaked attention: top-p drops keys
   for prompt, got in zip(PROMPTS, out):
     assert got == masked_greedy(target, draft, prompt, GAMMA, MAX_NEW, specattn.DRAFT_SCORES,
                                 specattn_plan(spec))
@@ -181,3 +182,4 @@ def test_sampled_specattn_runs_and_reports_acceptance(pair):
                                                                          seed=1)
   assert [len(o) for o in out] == [12, 12] and all(0 <= t < 96 for o in out for t in o)
   assert stats.extra["method"] == "specattn" and 1 <= stats.extra["mean_accepted_tokens"] <= 4
+  assert 0 < stats.extra["kv_kept_share"] <= 1

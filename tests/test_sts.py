@@ -175,6 +175,7 @@ def test_sampled_sts_with_the_proportional_map(pair):
   out, stats = runner.generate(PROMPTS, max_new_tokens=12, seed=1)
   assert [len(o) for o in out] == [12, 12] and all(0 <= t < 96 for o in out for t in o)
   assert stats.extra["method"] == "sts" and 1 <= stats.extra["mean_accepted_tokens"] <= 4
+  assert 0 < stats.extra["kv_kept_share"] < 1   # at most 8 of the prefix keys per KV head
 
 
 def test_kernel_kv_scores_equal_the_reference():

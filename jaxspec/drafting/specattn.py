@@ -158,6 +158,9 @@ class SpecAttnState:
   cache: KVCache          # the draft model's cache (as `DraftModelState`)
   prev_token: jax.Array   # [B] int32: the token at target position lengths - 1
   plan: LayerMapped       # the target's verification plan for the round just drafted
+  kept: jax.Array         # [B] f32: summed over active rounds, the prefix keys a sparse layer
+                          # reads (mean over the sparse target layers; STS: and their KV heads)
+  prefix: jax.Array       # [B] f32: summed over the same rounds, the prefix length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +181,9 @@ class SpecAttnDrafter(DraftModelDrafter):
             state: DecodeState, scores: None, config: RunConfig) -> SpecAttnState:
     dm = super().start(draft, prompts, prompt_lens, state, scores, config)
     return SpecAttnState(cache=dm.cache, prev_token=dm.prev_token,
-                         plan=self.empty_plan(prompt_lens, config.capacity))
+                         plan=self.empty_plan(prompt_lens, config.capacity),
+                         kept=jnp.zeros(prompt_lens.shape, jnp.float32),
+                         prefix=jnp.zeros(prompt_lens.shape, jnp.float32))
 
   def empty_plan(self, lengths: jax.Array, capacity: int) -> LayerMapped:
     """A plan of the loop's shapes selecting nothing (every round's draft step replaces it)."""
@@ -202,7 +207,22 @@ class SpecAttnDrafter(DraftModelDrafter):
     start = jnp.minimum(ds.cache.lengths, ds.cache.capacity - config.reserve)   # as run_draft's
     idx, cnt = self.select(scores, start, config)
     plan = state.drafter.plan.replace(indices=idx, counts=cnt, tail_start=start)
-    return state.replace(drafter=state.drafter.replace(plan=plan)), drafts, probs
+    sparse = [u for u in self.spec.slots if u >= 0]
+    active = ~ds.done
+    dm = state.drafter
+    dm = dm.replace(plan=plan,
+                    kept=dm.kept + jnp.where(
+                        active, cnt[jnp.asarray(sparse)].reshape(len(sparse), start.shape[0],
+                                                                 -1).mean((0, 2)), 0.0),
+                    prefix=dm.prefix + jnp.where(active, start, 0).astype(jnp.float32))
+    return state.replace(drafter=dm), drafts, probs
+
+  @staticmethod
+  def kept_share(state: SpecAttnState) -> float:
+    """The share of the prefix keys the sparse target layers read, over every active round so
+    far (1 - it is their KV reduction; the new tokens' tail and the dense layers not counted)."""
+    kept, prefix = jax.device_get((state.kept.sum(), state.prefix.sum()))
+    return float(kept / prefix) if prefix > 0 else float("nan")
 
   def verify_plan(self, state: SpecState) -> LayerMapped:
     """The round's plan: dense layers, the rest over its index lists plus the dense tail."""

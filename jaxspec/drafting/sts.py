@@ -93,6 +93,11 @@ class STSConfig:
     return len(self.heads[0]) // self.target_kv_heads
 
   @property
+  def slots(self) -> tuple[int, ...]:
+    """Per target layer its selection in the plan: every layer sparse, each its own."""
+    return tuple(range(len(self.heads)))
+
+  @property
   def table(self) -> tuple[int, ...]:
     """Per target (layer, head), layer-major: its draft head's flat index, layer * Hd + head."""
     return tuple(i * self.draft_heads + e for layer in self.heads for i, e in layer)
@@ -164,7 +169,7 @@ class STSDrafter(SpecAttnDrafter):
     hkv, k = self.spec.target_kv_heads, self.spec.k_max(capacity)
     return LayerMapped(indices=jnp.zeros((lt, b, hkv, k), jnp.int32),
                        counts=jnp.zeros((lt, b, hkv), jnp.int32), tail_start=lengths,
-                       slots=tuple(range(lt)))
+                       slots=self.spec.slots)
 
   def select(self, scores: jax.Array, start: jax.Array, config: RunConfig
              ) -> tuple[jax.Array, jax.Array]:

@@ -287,7 +287,8 @@ class Runner:
     `on_chunk(tokens [B, N], num_new [B], done [B])` runs on the host after prefill and after
     every chunk (for streaming). stats.extra for speculative methods: method, gamma,
     mean_accepted_tokens (per round, incl. the corrected/bonus token), acceptance_by_position
-    (gamma floats), verify_rounds (sequence-rounds counted).
+    (gamma floats), verify_rounds (sequence-rounds counted); for 'specattn' and 'sts' also
+    kv_kept_share (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`).
     """
     if chunk is None:
       chunk = 16 if self.speculative else 64
@@ -330,6 +331,8 @@ class Runner:
           gamma=self.gamma, mean_accepted_tokens=round(acc["mean_accepted_tokens"], 4),
           acceptance_by_position=[round(p, 4) for p in acc["acceptance_by_position"]],
           verify_rounds=acc["verify_rounds"])
+    if self.method in ("specattn", "sts"):
+      stats.extra["kv_kept_share"] = round(specattn.SpecAttnDrafter.kept_share(state.drafter), 4)
     return [tokens[i, :num_new[i]].tolist() for i in range(len(prompts))], stats
 
   # -- continuous batching -----------------------------------------------------------------------
