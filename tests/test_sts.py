@@ -215,3 +215,18 @@ def test_bad_input_is_a_one_line_error(pair, kw, message):
   with pytest.raises(ValueError) as e:
     Runner(target, **{"method": "sts", "draft_model": draft, **kw})
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_served_sts_requests_equal_their_own_runs(pair):
+  """Continuous batching refills STS slots (its per-KV-head plan has the batch on axis 1): each
+  request's greedy text equals the same runner's text for it alone."""
+  target, draft = pair
+  runner = Runner(target, method="sts", draft_model=draft, gamma=2, sts_budget=8,
+                  cache_dtype=jnp.float32, stop_ids=())
+  prompts = [*PROMPTS, PROMPTS[0][:20]]
+  max_len, got = 80, {}
+  runner.serve(prompts, 2, 10, max_len=max_len, chunk=2, warmup_s=0.0, measure_s=1e9,
+               on_finish=lambda req, tokens: got.setdefault(req, tokens.tolist()))
+  assert sorted(got) == [0, 1, 2]
+  for i, p in enumerate(prompts):
+    assert got[i] == runner.generate([p], max_new_tokens=10, max_len=max_len)[0][0]
