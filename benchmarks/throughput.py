@@ -42,8 +42,11 @@ the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05
 own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
 (gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer); method
 `specattn` too, and verifies over the draft's top-p attention sets (`specattn@0.95` keeps 0.95 of
-the mass, default --top_p_attn; layer map from --specattn_map, else proportional). SpecAttn
-CHANGES the output (approximate verification): its tok/s are not a lossless method's.
+the mass, default --top_p_attn; layer map from --specattn_map, else proportional). Method `sts`
+drafts with --draft_model and verifies each KV head over the top-k keys of its mapped draft head
+(`sts@256`: budget k = 256, default --sts_budget; --sts_block pages; head map from --sts_map, made
+for that budget, else proportional). SpecAttn and STS CHANGE the output (approximate
+verification): their tok/s are not a lossless method's.
 --tp=N shards the model (and the draft model) over N devices (`jaxspec.model.sharding`); the
 copy ceiling in the JSON is still one device's. --disaggregate (short and long workloads) prefills
 the refills on a second device while the first one decodes (`Runner.serve`).
@@ -64,6 +67,7 @@ from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_setting
 from jaxspec import cli, requests
 from jaxspec.drafting.draft_model import DraftModelState
 from jaxspec.drafting.specattn import DEFAULT_TOP_P, SpecAttnState
+from jaxspec.engine.runner import DRAFT_MODEL_METHODS
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.state import SpecState, capacity_for
@@ -75,8 +79,9 @@ WORKLOADS = [*workloads.WORKLOADS, "scale"]
 DEFAULT_MAX_NEW = {"short": 4096, "long": 1024, "continuation": 1024}
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
-_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn: the draft model (a jaxspec "
-                                   "model spec sharing --model's tokenizer, or random:<shape>)")
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn, sts: the draft "
+                                   "model (a jaxspec model spec sharing --model's tokenizer, or "
+                                   "random:<shape>)")
 _WORKLOAD = flags.DEFINE_enum("workload", "short", WORKLOADS, "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
                                          "vegas"],
@@ -93,6 +98,11 @@ _TOP_P_ATTN = flags.DEFINE_float("top_p_attn", DEFAULT_TOP_P, "specattn: kept dr
                                  "(specattn@p overrides it)")
 _SPECATTN_MAP = flags.DEFINE_string("specattn_map", None, "specattn: layer map JSON from "
                                     "jaxspec.specattn_map (default: the proportional map)")
+_STS_BUDGET = flags.DEFINE_integer("sts_budget", 256, "sts: keys per target KV head and round "
+                                  "(sts@k overrides it)")
+_STS_BLOCK = flags.DEFINE_integer("sts_block", 1, "sts: tokens per page (1: token granularity)")
+_STS_MAP = flags.DEFINE_string("sts_map", None, "sts: head map JSON from jaxspec.sts_map, made for "
+                               "the entry's budget (default: the proportional map)")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
 _BATCH = flags.DEFINE_integer("batch", 64, "decode slots")
@@ -141,7 +151,7 @@ def parse_entry(entry: str) -> tuple[str, float, int]:
   method, _, ratio = name.partition("@")
   table = dict(item.split("=") for item in _GAMMAS.value)
   gamma = own_gamma or table.get(entry, table.get(method, table.get("default", 4)))
-  default = _TOP_P_ATTN.value if method == "specattn" else _SPARSITY.value
+  default = {"specattn": _TOP_P_ATTN.value, "sts": _STS_BUDGET.value}.get(method, _SPARSITY.value)
   return method, float(ratio) if ratio else default, int(gamma)
 
 
@@ -176,11 +186,18 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
       from jaxspec.specattn_map import load_map
       layers = load_map(_SPECATTN_MAP.value, model, draft_model).layers
     settings = dict(top_p_attn=ratio, layer_map=layers)
+  elif method == "sts":
+    budget = int(ratio)
+    head_map = None
+    if _STS_MAP.value:
+      from jaxspec.sts_map import load_map
+      head_map = load_map(_STS_MAP.value, model, draft_model, budget)
+    settings = dict(sts_budget=budget, sts_block=_STS_BLOCK.value, head_map=head_map)
   else:
     settings = dict(sparsity=ratio)
   return Runner(model, method=method, gamma=None if widths else g,
                 min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                draft_model=draft_model if method in ("draft", "specattn") else None,
+                draft_model=draft_model if method in DRAFT_MODEL_METHODS else None,
                 sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
                 tree_order=_TREE_ORDER.value, **settings)
 
@@ -195,11 +212,11 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
   if not runner.speculative:
     return ds
   config = runner.config(cap)
-  if runner.method in ("draft", "specattn"):
+  if runner.method in DRAFT_MODEL_METHODS:
     drafter = DraftModelState(cache=filled_state(runner.draft_model.cfg, batch, context - 1, cap,
                                                  steps_total, seed=1, mesh=mesh).cache,
                               prev_token=jnp.ones((batch,), jnp.int32))
-    if runner.method == "specattn":
+    if runner.method in ("specattn", "sts"):
       # A copy of the lengths: the loop donates the state, and one buffer cannot go twice.
       zeros = jnp.zeros((batch,), jnp.float32)
       drafter = SpecAttnState(cache=drafter.cache, prev_token=drafter.prev_token,

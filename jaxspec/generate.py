@@ -7,6 +7,8 @@
       --draft_model=qwen2.5-coder-0.5b --gamma=4 --prompt "..."
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=specattn \
       --draft_model=qwen2.5-coder-0.5b --top_p_attn=0.97 --prompt "..."   # changes the output
+  python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=sts \
+      --draft_model=qwen2.5-coder-0.5b --sts_budget=256 --prompt "..."   # changes the output
   python -m jaxspec.generate --method=vegas --tree=2,2,1,1 --prompt "..."   # a draft tree
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --tp=2 --prompt "..."   # two devices
 
@@ -19,6 +21,10 @@ differently from a one-token step, so a greedy text can part from plain decoding
 attention kept), so its text is that masked target's, not the model's own (approximate
 verification; see jaxspec/drafting/specattn.py). Its layer map is read from beside the target
 (`python -m jaxspec.specattn_map` writes it), else --specattn_map, else the proportional map.
+--method=sts changes the output the same way: each of the model's heads verifies over the
+--sts_budget keys its mapped draft head attended to most (see jaxspec/drafting/sts.py), so the text
+is that masked model's. Its head map is --sts_map, else the one `python -m jaxspec.sts_map` saved
+beside the model for this draft model and budget, else the proportional map.
 Bad flags fail with one line before the model loads; Ctrl-C exits with status 130 and one line.
 """
 from __future__ import annotations
@@ -30,13 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from jaxspec import cli, requests
+from jaxspec import cli, requests, sts_map
 from jaxspec.drafting import policies, specattn
 from jaxspec.engine.sampling import SamplingParams
 
 # jaxspec.engine.runner.METHODS.
-METHODS = ("none", "draft", "specattn", *policies.SELF_DRAFTING)
-DRAFT_MODEL_METHODS = ("draft", "specattn")
+METHODS = ("none", "draft", "specattn", "sts", *policies.SELF_DRAFTING)
+DRAFT_MODEL_METHODS = ("draft", "specattn", "sts")
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m",
                              "orbax checkpoint dir, HF dir, .gguf file or demo name "
@@ -58,11 +64,14 @@ _METHOD = flags.DEFINE_enum("method", "none", list(METHODS),
                             "decoding method: none = vanilla; draft = a separate --draft_model "
                             "drafts; specattn = a --draft_model drafts and its attention picks "
                             "the keys the model verifies with (CHANGES the output: approximate "
-                            "verification); the rest draft with the model itself over a KV "
-                            "selection. All but specattn are lossless (greedy output equals "
-                            "vanilla's exactly in float32; in bfloat16 it can part at a near-tie)")
-_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft and specattn: the draft model "
-                                   "(any --model spec with the same tokenizer), e.g. "
+                            "verification); sts = a --draft_model drafts and each of its heads "
+                            "picks the keys a head of the model verifies with (CHANGES the "
+                            "output likewise); the rest draft with the model itself over a KV "
+                            "selection. All but specattn and sts are lossless (greedy output "
+                            "equals vanilla's exactly in float32; in bfloat16 it can part at a "
+                            "near-tie)")
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn, sts: the draft "
+                                   "model (any --model spec with the same tokenizer), e.g. "
                                    "qwen2.5-coder-0.5b")
 _TOP_P_ATTN = flags.DEFINE_float("top_p_attn", 0.97, "specattn: the draft attention mass each "
                                  "draft row keeps, in (0, 1]; lower = sparser verification and "
@@ -72,6 +81,13 @@ _SPECATTN_MAP = flags.DEFINE_string("specattn_map", None, "specattn: the layer m
                                     "--draft_model, else the proportional map)")
 _ATTN_CAP = flags.DEFINE_integer("attn_cap", None, "specattn: the most keys (besides the new "
                                  "tokens) a verification attends to per layer (default: no cap)")
+_STS_BUDGET = flags.DEFINE_integer("sts_budget", None, "sts: the keys (besides the new tokens) "
+                                  "each KV head of the model reads per round; the output is the "
+                                  "masked model's, not the model's own")
+_STS_BLOCK = flags.DEFINE_integer("sts_block", 1, "sts: pick pages of this many tokens (1: tokens)")
+_STS_MAP = flags.DEFINE_string("sts_map", None, "sts: the head map JSON (default: the one "
+                               "jaxspec.sts_map saved beside --model for this --draft_model and "
+                               "--sts_budget, else the proportional map)")
 _GAMMA = flags.DEFINE_integer("gamma", None, "draft tokens per round (speculative methods; "
                               "default 6, with --tree its depth)")
 _TREE = flags.DEFINE_list("tree", None, "draft a tree of these widths per depth (e.g. 2,2,1,1: "
@@ -186,7 +202,7 @@ def check_flags() -> SamplingParams:
     if _METHOD.value in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is None:
       raise ValueError(f"--method={_METHOD.value} needs --draft_model")
     if _METHOD.value not in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is not None:
-      raise ValueError(f"--draft_model is only for --method=draft or specattn, not "
+      raise ValueError(f"--draft_model is only for --method=draft, specattn or sts, not "
                        f"--method={_METHOD.value}")
     if _METHOD.value == "specattn":
       specattn.check_top_p(_TOP_P_ATTN.value)
@@ -194,6 +210,11 @@ def check_flags() -> SamplingParams:
         requests.check_count("--attn_cap", _ATTN_CAP.value)
       if _TP.value != 1:
         raise ValueError("--method=specattn runs on one device (no --tp yet)")
+    if _METHOD.value == "sts":
+      sts_map.check_budget(_STS_BUDGET.value)
+      requests.check_count("--sts_block", _STS_BLOCK.value)
+      if _TP.value != 1:
+        raise ValueError("--method=sts runs on one device (no --tp yet)")
     requests.check_count("--tp", _TP.value)
   except ValueError as e:
     fail(str(e))
@@ -215,6 +236,21 @@ def specattn_layers(target, draft) -> tuple[int, ...] | None:
   return specattn_map.load_map(path, target.model, draft.model).layers
 
 
+def sts_head_map(target, draft):
+  """The STS head map: --sts_map, else the one saved beside the target for this draft model and
+  budget, else None (the proportional map, said on stderr). A map for another pair or budget:
+  ValueError."""
+  path = _STS_MAP.value
+  if path is None:
+    saved = sts_map.default_map_path(target.source, _DRAFT_MODEL.value, _STS_BUDGET.value)
+    if not saved.is_file():
+      print(f"[jaxspec] no STS head map at {saved}: using the proportional map "
+            "(python -m jaxspec.sts_map makes the learned one)", file=sys.stderr)
+      return None
+    path = saved
+  return sts_map.load_map(path, target.model, draft.model, _STS_BUDGET.value)
+
+
 def main(argv):
   del argv
   cli.quiet_logging()
@@ -230,6 +266,7 @@ def main(argv):
       draft = load_model(_DRAFT_MODEL.value, dtype=dtype, tp=_TP.value)
       check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
     layer_map = specattn_layers(loaded, draft) if _METHOD.value == "specattn" else None
+    head_map = sts_head_map(loaded, draft) if _METHOD.value == "sts" else None
   except (OSError, ValueError) as e:
     fail(str(e))
   tok = loaded.tokenizer
@@ -247,7 +284,8 @@ def main(argv):
                     sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
                     draft_model=draft and draft.model, sampling=sampling, stop_ids=stop_ids,
                     cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value,
-                    top_p_attn=_TOP_P_ATTN.value, layer_map=layer_map, attn_cap=_ATTN_CAP.value)
+                    top_p_attn=_TOP_P_ATTN.value, layer_map=layer_map, attn_cap=_ATTN_CAP.value,
+                    sts_budget=_STS_BUDGET.value, sts_block=_STS_BLOCK.value, head_map=head_map)
     outputs, stats = runner.generate(ids, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
                                      seed=_SEED.value, on_chunk=streamer)
   except ValueError as e:

@@ -132,7 +132,7 @@ def check_request(cfg: ModelConfig, prompts: Any, max_new_tokens: Any, max_len: 
 # Methods that draft one token per step by construction (quest picks pages per query token).
 _CHAIN_ONLY = ("quest",)
 # Methods that build one mask per round from a chain's draft rows.
-_ROUND_MASK = ("specattn",)
+_ROUND_MASK = ("specattn", "sts")
 MAX_TREE_NODES = 32   # the ancestor bitmask is one int32 per row
 
 

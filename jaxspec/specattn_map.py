@@ -20,9 +20,6 @@ first two target layers dense and so never reads their entries.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -31,14 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from jaxspec import cli
-from jaxspec.model.attention import Dense, Prefill, ScoreSpec
-from jaxspec.model.kv_cache import KVCache
+from jaxspec import cli, pairmap
 from jaxspec.model.transformer import Transformer
+# Shared with jaxspec.sts_map; re-exported because the benchmarks and tests read them from here.
+from jaxspec.pairmap import attention_rows, calibration_windows  # noqa: F401
 
 MAP_KINDS = ("kl", "proportional", "argmax")
-CALIBRATION_TEXT = "wikitext2_test.txt"
-_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 _EPS = 1e-9   # floors the draft's weights inside the log: a key it ignores is not an infinite KL
 
 
@@ -78,24 +73,6 @@ def argmax_map(sim: np.ndarray) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------
 # Calibration
 
-def attention_rows(model: Transformer, windows: jax.Array, rows: int) -> jax.Array:
-  """windows [B, W] tokens -> [L, B, rows, W] float32: each layer's attention weights of the last
-  `rows` tokens over the window, averaged over query heads (zeros on the keys a row does not see).
-  The first W - rows tokens are prefilled; the last rows run as one dense step that collects each
-  row's weights (the scores the engine's draft steps collect)."""
-  b, w = windows.shape
-  capacity = -(-w // 128) * 128
-  cache = KVCache.create(model.cfg, b, capacity, jnp.float32)
-  head = w - rows
-  pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-  _, cache, _ = model(windows[:, :head], pos[:, :head], cache, Prefill())
-  cache = cache.replace(lengths=jnp.full((b,), head, jnp.int32))
-  _, _, scores = model(windows[:, head:], pos[:, head:], cache,
-                       Dense(scores=ScoreSpec("weights", per_row=True)))
-  a = scores[..., :w].astype(jnp.float32)
-  return jnp.where(jnp.isfinite(a) & (a > 0), a, 0.0)
-
-
 @jax.jit
 def _kl_terms(a_t: jax.Array, a_d: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Sums over rows of sum_s a_t log a_t [Lt] and of sum_s a_t log a_d [Lt, Ld] (rows renormalised
@@ -126,30 +103,8 @@ def kl_similarity(target: Transformer, draft: Transformer, windows: np.ndarray, 
   return -(ent[:, None] - cross) / n
 
 
-def calibration_windows(tokens: Sequence[int], n: int, length: int) -> np.ndarray:
-  """n windows of `length` tokens, evenly spaced over the text (fewer if it is short)."""
-  tokens = np.asarray(tokens, np.int32)
-  count = min(n, len(tokens) // length)
-  if count < 1:
-    raise ValueError(f"the calibration text has {len(tokens)} tokens, fewer than one window of "
-                     f"{length}")
-  starts = np.linspace(0, len(tokens) - length, count).astype(int)
-  return np.stack([tokens[s:s + length] for s in starts])
-
-
 # ----------------------------------------------------------------------------------------------
 # The map file
-
-def fingerprint(model: Transformer) -> dict:
-  """What identifies a model for the map: its config hash and a hash of a few weights (so that
-  two checkpoints of one architecture, e.g. base and instruct, differ)."""
-  cfg = json.dumps(dataclasses.asdict(model.cfg), sort_keys=True, default=str)
-  emb = np.asarray(jax.device_get(model.embed_tokens.embedding[...][:8]), np.float32)
-  norm = np.asarray(jax.device_get(model.norm.weight[...]), np.float32)
-  return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16],
-          "weights": hashlib.sha256(emb.tobytes() + norm.tobytes()).hexdigest()[:16],
-          "layers": model.cfg.num_layers}
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerMap:
@@ -176,47 +131,30 @@ def make_map(kind: str, target: Transformer, draft: Transformer, target_name: st
     raise ValueError(f"the {kind} map needs a similarity matrix (calibration)")
   else:
     layers = monotone_map(sim) if kind == "kl" else argmax_map(sim)
-  return LayerMap(layers=layers, method=kind,
-                  target=dict(fingerprint(target), name=str(target_name)),
-                  draft=dict(fingerprint(draft), name=str(draft_name)),
+  return LayerMap(layers=layers, method=kind, target=pairmap.pair_entry(target, target_name),
+                  draft=pairmap.pair_entry(draft, draft_name),
                   similarity=None if sim is None else tuple(tuple(float(x) for x in r) for r in sim))
 
 
 def default_map_path(target_source: str | Path, draft_name: str) -> Path:
-  """Beside the target: <checkpoint dir>/specattn_map.<draft>.json, or <file>.specattn_map.<draft>
-  .json for a single-file target (a GGUF)."""
-  src = Path(target_source)
-  tag = Path(str(draft_name)).name.replace(".", "_") or "draft"
-  if src.is_dir():
-    return src / f"specattn_map.{tag}.json"
-  return src.with_name(f"{src.name}.specattn_map.{tag}.json")
+  """Beside the target: <checkpoint dir>/specattn_map.<draft>.json (`pairmap.default_path`)."""
+  return pairmap.default_path(target_source, draft_name, "specattn_map")
 
 
 def save_map(layer_map: LayerMap, path: str | Path) -> Path:
-  path = Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(f".{path.name}.partial")
-  tmp.write_text(json.dumps(layer_map.to_json(), indent=1) + "\n")
-  tmp.replace(path)   # atomic: a reader never sees half a map
-  return path
+  return pairmap.save_json(layer_map.to_json(), path)
 
 
 def load_map(path: str | Path, target: Transformer, draft: Transformer) -> LayerMap:
   """The map at `path`, checked against the pair; a one-line ValueError when it was made for
   another pair (layer counts, configs or weights differ) or is not a map file."""
+  raw = pairmap.read_checked(path, target, draft, "SpecAttn layer map", "jaxspec.specattn_map")
   try:
-    raw = json.loads(Path(path).read_text())
     m = LayerMap(layers=tuple(int(i) for i in raw["layers"]), method=str(raw["method"]),
                  target=dict(raw["target"]), draft=dict(raw["draft"]),
                  similarity=raw.get("similarity"))
-  except (OSError, ValueError, KeyError, TypeError) as e:
+  except (ValueError, KeyError, TypeError) as e:
     raise ValueError(f"cannot read the SpecAttn layer map {path}: {e}") from None
-  for role, model, saved in (("target", target, m.target), ("draft", draft, m.draft)):
-    now = fingerprint(model)
-    if any(saved.get(k) != now[k] for k in now):
-      raise ValueError(f"the SpecAttn layer map {path} was made for another pair: its {role} "
-                       f"({saved.get('name')}, {saved.get('layers')} layers) is not this one "
-                       f"({model.cfg.num_layers} layers); run python -m jaxspec.specattn_map")
   check_layers(m.layers, target.cfg.num_layers, draft.cfg.num_layers)
   return m
 
@@ -238,19 +176,14 @@ def _define_flags() -> dict:
   """The CLI's flags, defined only when it runs: other entry points import this module's
   functions and define flags of the same names (--dtype, --out)."""
   return dict(
-      draft=flags.DEFINE_string("draft", None, "the draft model (any --model spec of "
-                                "jaxspec.generate)"),
-      target=flags.DEFINE_string("target", None, "the target model"),
+      pairmap.pair_flags(),
       map=flags.DEFINE_enum("map", "kl", list(MAP_KINDS), "kl: KL divergence + monotone DP (the "
                             "paper's); proportional: floor(j * Ld / Lt); argmax: unconstrained"),
-      out=flags.DEFINE_string("out", None, "where to write the JSON (default: beside the target)"),
       windows=flags.DEFINE_integer("windows", 32, "calibration windows"),
       window=flags.DEFINE_integer("window_tokens", 512, "tokens per calibration window"),
       rows=flags.DEFINE_integer("rows", 16, "the last rows of each window whose attention is "
                                 "compared"),
-      batch=flags.DEFINE_integer("batch", 4, "windows per forward pass"),
-      dtype=flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
-                              "weights and activations"))
+      batch=flags.DEFINE_integer("batch", 4, "windows per forward pass"))
 
 
 def fail(message: str):
@@ -263,26 +196,18 @@ def main(argv, f: dict):
   from jaxspec import requests
   v = {k: flag.value for k, flag in f.items()}
   try:
-    if v["draft"] is None or v["target"] is None:
-      raise ValueError("give both --draft and --target")
+    pairmap.check_pair_flags(v)
     for name in ("windows", "rows", "batch"):
       requests.check_count(f"--{name}", v[name])
     requests.check_count("--window_tokens", v["window"], v["rows"] + 1)
   except ValueError as e:
     fail(str(e))
-  from jaxspec.io.loading import check_draft_pair, load_model
-  dtype = jnp.float32 if v["dtype"] == "float32" else jnp.bfloat16
   try:
-    target = load_model(v["target"], dtype=dtype)
-    draft = load_model(v["draft"], dtype=dtype)
-    check_draft_pair(target, draft, v["target"], v["draft"])
+    target, draft = pairmap.load_pair(v, tokenizer=v["map"] != "proportional")
     sim = None
     if v["map"] != "proportional":
-      if target.tokenizer is None:
-        raise ValueError(f"{target.source} has no tokenizer: calibration text cannot be encoded")
-      data = Path(os.environ.get("JAXSPEC_DATA", _DATA)) / CALIBRATION_TEXT
-      text = data.read_text(encoding="utf-8")
-      windows = calibration_windows(target.tokenizer.encode(text), v["windows"], v["window"])
+      windows = calibration_windows(target.tokenizer.encode(pairmap.calibration_text()),
+                                    v["windows"], v["window"])
       sim = kl_similarity(target.model, draft.model, windows, rows=v["rows"], batch=v["batch"],
                           progress=True)
     layer_map = make_map(v["map"], target.model, draft.model, v["target"], v["draft"], sim)

@@ -18,8 +18,10 @@ after masking, before softmax and before the 1/sqrt(D) scale) or the softmax wei
 exp(scale * q.k - lse) (`score_kind='weights'`). Keys not visible to every collected row get -inf.
 `score_rows` picks the rows (negative indices count from T): (0, -1) is Vegas's Collect-2-Query
 (first draft + bonus), None is every row. `per_row=True` gives [B, T, S] instead, each query row's
-own scores (for the policies keyed on the last accepted token). `score_dtype=jnp.float32` returns
-them before the bf16 rounding (tensor parallelism averages the devices' float32 means first).
+own scores (for the policies keyed on the last accepted token). `score_heads='kv'` keeps one score
+row per KV head, the mean over its G query heads ([B, Hkv, S], per_row [B, T, Hkv, S]: STS's
+per-head masks); 'q' one per query head ([B, Hq, S], per_row [B, T, Hq, S]; the reference only).
+`score_dtype=jnp.float32` returns them before the bf16 rounding (tensor parallelism averages the devices' float32 means first).
 
 Kernel (`verify_attention`), flash-decoding. Decoding and verification are bound by the bytes of
 the cache, so the tiling reads every K/V byte from HBM once, however many query rows there are:
@@ -106,11 +108,12 @@ def _tree_visible(lengths: jax.Array, bits: jax.Array, s: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("score_kind", "score_rows", "sm_scale", "per_row",
-                                             "score_dtype"))
+                                             "score_heads", "score_dtype"))
 def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = None,
                                score_rows: tuple[int, ...] | None = (0, -1),
                                sm_scale: float | None = None, per_row: bool = False,
-                               tree_bits: jax.Array | None = None, score_dtype=jnp.bfloat16):
+                               tree_bits: jax.Array | None = None, score_heads: str = "mean",
+                               score_dtype=jnp.bfloat16):
   """Pure-JAX reference. Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] in `score_dtype`
   (bf16) or None).
 
@@ -119,6 +122,8 @@ def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = Non
   tree_bits [T] or [B, T] int32 (a draft tree, `jaxspec.drafting.trees.Tree.ancestor_bits`): row t
   sees the prefix j < lengths and key lengths + i iff bit i of tree_bits[t] is set, instead of the
   causal rule. None is the chain. Scores follow the same visibility.
+  score_heads: 'mean' (over all Hq heads), 'kv' (per KV head) or 'q' (per query head): see the
+  module docstring for the shapes.
   """
   _check_shapes(q, k, v, lengths)
   b, t, hq, d = q.shape
@@ -141,13 +146,25 @@ def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = Non
     if score_kind not in ("logits", "weights"):
       raise ValueError(f"score_kind must be 'logits' or 'weights', got {score_kind!r}")
     per = logits if score_kind == "logits" else probs                    # [B,Hkv,G,T,S]
+    # One head axis H: 1 (the mean), Hkv or Hq.
+    if score_heads == "mean":
+      per = per.mean(axis=(1, 2))[:, None]                               # [B,1,T,S]
+    elif score_heads == "kv":
+      per = per.mean(axis=2)                                             # [B,Hkv,T,S]
+    elif score_heads == "q":
+      per = per.reshape(b, hq, t, s)                                     # [B,Hq,T,S]
+    else:
+      raise ValueError(f"score_heads must be 'mean', 'kv' or 'q', got {score_heads!r}")
     if per_row:
-      scores = jnp.where(visible, per.mean(axis=(1, 2)), NEG_INF).astype(score_dtype)
+      scores = jnp.where(visible[:, :, None], per.transpose(0, 2, 1, 3), NEG_INF)   # [B,T,H,S]
+      scores = scores[:, :, 0] if score_heads == "mean" else scores
     else:
       rows = jnp.asarray(normalize_rows(score_rows, t))
-      mean = per[:, :, :, rows].mean(axis=(1, 2, 3))                     # [B,S]
+      mean = per[:, :, rows].mean(axis=2)                                # [B,H,S]
       seen_by_all = visible[:, rows].all(axis=1)                         # [B,S]
-      scores = jnp.where(seen_by_all, mean, NEG_INF).astype(score_dtype)
+      scores = jnp.where(seen_by_all[:, None], mean, NEG_INF)
+      scores = scores[:, 0] if score_heads == "mean" else scores
+    scores = scores.astype(score_dtype)
   return out.astype(q.dtype), scores
 
 
@@ -462,7 +479,7 @@ def _row_queries(qp: jax.Array, t: int, g: int, r_rows: int, dtype) -> jax.Array
 
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
-    "num_warps", "num_stages", "score_dtype"))
+    "num_warps", "num_stages", "score_heads", "score_dtype"))
 def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      score_kind: str | None = None,
                      score_rows: tuple[int, ...] | None = (0, -1),
@@ -470,12 +487,15 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      interpret: bool = False, block_k: int | None = None,
                      num_splits: int | None = None, num_warps: int = 4,
                      num_stages: int = 3, tree_bits: jax.Array | None = None,
+                     score_heads: str = "mean",
                      score_dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array | None]:
   """Pallas flash-decoding verification attention; same contract as verify_attention_reference,
   `tree_bits` included (None compiles the chain's kernels, unchanged).
 
   Returns (out [B,T,Hq,D] in q.dtype, scores [B,S] in `score_dtype` (bf16), [B,T,S] with
-  `per_row`, or None).
+  `per_row`, or None). score_heads 'kv' (collected rows, not per_row: [B,Hkv,S]) keeps the
+  kernel's per-KV-head partials apart instead of summing them; 'q' and per-row 'kv' are the
+  reference's only (a ValueError here).
   Per-row 'logits' come from the main pass (each row's head-summed query, as for Collect-2);
   per-row 'weights' from a second pass over K, like the collected 'weights'. Knobs: `block_k` keys per
   tile (power of two >= 16; default 128, or 64 with 'logits' scores at head_dim < 128, at most
@@ -486,6 +506,9 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   _check_shapes(q, k, v, lengths)
   if score_kind not in (None, "logits", "weights"):
     raise ValueError(f"score_kind must be None, 'logits' or 'weights', got {score_kind!r}")
+  if score_kind is not None and score_heads != "mean" and (score_heads != "kv" or per_row):
+    raise ValueError(f"the kernel collects score_heads 'mean', or 'kv' without per_row; got "
+                     f"{score_heads!r}{' per row' if per_row else ''} (the reference has them all)")
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   if d < 16 or d & (d - 1):
@@ -582,6 +605,9 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     seen_by_all = jnp.arange(s)[None] <= (lengths + rows[0])[:, None]
   else:
     seen_by_all = _tree_visible(lengths, common_bits[:, None], s)[:, 0]   # [B,S]
-  mean = jnp.sum(per_head, axis=1) * (1.0 / (len(rows) * hq))
+  if score_heads == "kv":
+    mean, seen_by_all = per_head * (1.0 / (len(rows) * g)), seen_by_all[:, None]   # [B,Hkv,S]
+  else:
+    mean = jnp.sum(per_head, axis=1) * (1.0 / (len(rows) * hq))
   scores = jnp.where(seen_by_all, mean, NEG_INF).astype(score_dtype)
   return out, scores

@@ -59,9 +59,18 @@ def test_bad_flags_fail_in_one_line_before_the_model_loads(tmp_path, args, messa
     (["--method=specattn", "--draft_model=x", "--top_p_attn=1.01"], "must be in (0, 1], got 1.01"),
     (["--method=specattn", "--draft_model=x", "--attn_cap=0"], "--attn_cap must be an integer >= 1"),
     (["--method=specattn", "--draft_model=x", "--tree=2,1"], "builds its attention mask from a chain"),
-    (["--method=vegas", "--draft_model=x"], "--draft_model is only for --method=draft or specattn"),
+    (["--method=vegas", "--draft_model=x"],
+     "--draft_model is only for --method=draft, specattn or sts"),
+    (["--method=sts"], "--method=sts needs --draft_model"),
+    (["--method=sts", "--draft_model=x"], "the STS budget (keys each target head reads per round, "
+     "besides the new tokens) must be an integer >= 1, got None"),
+    (["--method=sts", "--draft_model=x", "--sts_budget=0"], "must be an integer >= 1, got 0"),
+    (["--method=sts", "--draft_model=x", "--sts_budget=8", "--sts_block=0"],
+     "--sts_block must be an integer >= 1"),
+    (["--method=sts", "--draft_model=x", "--sts_budget=8", "--tree=2,1"],
+     "method 'sts' builds its attention mask from a chain"),
 ])
-def test_bad_specattn_flags_fail_in_one_line(tmp_path, args, message):
+def test_bad_specattn_and_sts_flags_fail_in_one_line(tmp_path, args, message):
   res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", *args)
   assert res.returncode == 1
   assert res.stderr.startswith("jaxspec.generate: error: ") and message in res.stderr, res.stderr

@@ -116,6 +116,9 @@ def test_throughput_method_entries():
   with flagsaver.flagsaver(gammas=["default=4"], top_p_attn=0.97):   # specattn@p: the kept mass
     assert throughput.parse_entry("specattn") == ("specattn", 0.97, 4)
     assert throughput.parse_entry("specattn@0.95:6") == ("specattn", 0.95, 6)
+  with flagsaver.flagsaver(gammas=["default=4"], sts_budget=256):   # sts@k: the budget
+    assert throughput.parse_entry("sts") == ("sts", 256, 4)
+    assert throughput.parse_entry("sts@64:3") == ("sts", 64, 3)
   with flagsaver.flagsaver(tree=["2", "1"]):
     assert throughput.entry_tree("vegas") == ("vegas", (2, 1))
     assert throughput.entry_tree("vegas/3") == ("vegas", (3,))
@@ -136,9 +139,9 @@ def test_insert_slot_refuses_a_batch_one_state():
   np.testing.assert_array_equal(out["key"], [0, 0])            # no batch axis: the big state's
 
 
-def test_throughput_scale_run_of_specattn():
-  """The scale workload builds SpecAttn's starting state by hand (its plan's lengths a copy: the
-  loop donates the state) and times its rounds."""
+def test_throughput_scale_run_of_specattn_and_sts():
+  """The scale workload builds SpecAttn's and STS's starting states by hand (their plans' lengths
+  a copy: the loop donates the state) and times their rounds."""
   from absl import flags
   from absl.testing import flagsaver
   from benchmarks import throughput
@@ -151,7 +154,8 @@ def test_throughput_scale_run_of_specattn():
   target = init_random(cfg(4), dtype=jnp.bfloat16)
   draft = init_random(cfg(2), dtype=jnp.bfloat16, seed=1)
   with flagsaver.flagsaver(gammas=["default=2"], profile=False):
-    rows = throughput.scale_run(target, draft, ["specattn@0.9"], 2, 100, SamplingParams(),
-                                "reference")
-  assert "error" not in rows[0], rows[0]
+    rows = throughput.scale_run(target, draft, ["specattn@0.9", "sts@16"], 2, 100,
+                                SamplingParams(), "reference")
+  assert all("error" not in row for row in rows), rows
   assert rows[0]["sparsity"] == 0.9 and rows[0]["ms_per_round"] > 0
+  assert rows[1]["sparsity"] == 16 and rows[1]["ms_per_round"] > 0

@@ -65,12 +65,20 @@ def _step(graphdef, params, tokens, positions, cache, plan):
   return model.logits(hidden[:, -1]), cache, scores
 
 
-def masked_greedy(target, draft, prompt, spec, gamma, max_new):
-  """Greedy decoding of the SpecAttn-masked target (module docstring of jaxspec.drafting.specattn):
-  at each round start the draft drafts gamma tokens greedily (one token per step) and its rows give
-  the mask; the target then emits one token per step under it while it agrees with the drafts."""
+def specattn_plan(spec):
+  """The SpecAttn plan of a round from its draft rows [gamma, Ld, S] at start n (`reference_mask`)."""
+  def plan(rows, n, cap):
+    idx, cnt = reference_mask(rows, n, spec, spec.k_max(cap))
+    return LayerMapped(indices=idx, counts=cnt, tail_start=jnp.asarray([n]), slots=spec.slots)
+  return plan
+
+
+def masked_greedy(target, draft, prompt, gamma, max_new, scores, plan_of):
+  """Greedy decoding of a draft-masked target (module docstring of jaxspec.drafting.specattn): at
+  each round start the draft drafts gamma tokens greedily (one token per step), collecting
+  `scores`, and `plan_of(its rows [gamma, Ld, ...], n, capacity)` gives the mask; the target then
+  emits one token per step under it while it agrees with the drafts."""
   cap = capacity_for(len(prompt) + max_new, gamma + 1)
-  k_max = spec.k_max(cap)
   tm, dm = nnx.split(target), nnx.split(draft)
 
   def run(model, cache, tokens, pos, plan):
@@ -91,13 +99,12 @@ def masked_greedy(target, draft, prompt, spec, gamma, max_new):
       _, dcache, _ = run(dm, dcache, [seq[m]], [m], Dense())
     token, drafts, rows = seq[n], [], []
     for s in range(gamma):
-      logits, dcache, sc = run(dm, dcache, [token], [n + s], Dense(scores=specattn.DRAFT_SCORES))
+      logits, dcache, sc = run(dm, dcache, [token], [n + s], Dense(scores=scores))
       token = int(jnp.argmax(logits[0]))
       drafts.append(token)
       rows.append(sc[:, 0])
     dlen = n + 1            # position n holds seq[n]; those after it hold drafts, maybe rejected
-    idx, cnt = reference_mask(jnp.stack(rows), n, spec, k_max)
-    plan = LayerMapped(indices=idx, counts=cnt, tail_start=jnp.asarray([n]), slots=spec.slots)
+    plan = plan_of(jnp.stack(rows), n, cap)
     for t in range(gamma + 1):
       feed = seq[n] if t == 0 else drafts[t - 1]
       logits, tcache, _ = run(tm, tcache, [feed], [n + t], plan)
@@ -118,7 +125,8 @@ def test_greedy_specattn_equals_greedy_masked_target(pair, top_p, cap):
   spec = runner.specattn
   assert 0 < stats.extra["kv_kept_share"] < 1   # peaked attention: top-p drops keys
   for prompt, got in zip(PROMPTS, out):
-    assert got == masked_greedy(target, draft, prompt, spec, GAMMA, MAX_NEW)
+    assert got == masked_greedy(target, draft, prompt, GAMMA, MAX_NEW, specattn.DRAFT_SCORES,
+                                specattn_plan(spec))
   if cap is None:   # the mask matters: dense speculative decoding (the dense target's) differs
     dense, _ = Runner(target, method="draft", draft_model=draft, gamma=GAMMA,
                       cache_dtype=jnp.float32, stop_ids=()).generate(PROMPTS,

@@ -114,6 +114,30 @@ class SpecAttnConfig:
     return capacity if self.cap is None else min(self.cap, capacity)
 
 
+def row_sets(idx: jax.Array, cnt: jax.Array, size: int) -> jax.Array:
+  """Index lists idx [N, K] with cnt [N] valid entries -> membership [N, size] bool."""
+  n, k = idx.shape
+  valid = jnp.arange(k)[None] < cnt[:, None]
+  return jnp.zeros((n, size + 1), bool).at[jnp.arange(n)[:, None],
+                                           jnp.where(valid, idx, size)].set(True)[:, :size]
+
+
+def capped_union(keep: jax.Array, weights: jax.Array, limit: jax.Array, k_max: int
+                 ) -> tuple[jax.Array, jax.Array]:
+  """keep [R, N, B, S] bool (R rows' selected positions), weights [R, N, B, S] (their attention
+  weights), limit [B] -> (indices [N, B, k_max] ascending, counts [N, B]): the union over the R
+  rows restricted to positions < limit, at most k_max of them: when it is longer, the k_max with
+  the largest weight summed over the R rows (`topk_select`, ties to the lower position)."""
+  _, n, b, s = keep.shape
+  keep = keep.any(axis=0) & (jnp.arange(s) < limit[:, None])                   # [N, B, S]
+  w = weights.astype(jnp.float32)
+  total = jnp.where(keep, jnp.where(jnp.isfinite(w) & (w > 0), w, 0.0).sum(axis=0), -jnp.inf)
+  count = jnp.minimum(keep.sum(-1, dtype=jnp.int32), k_max).reshape(-1)
+  idx = _topk.topk_select(total.reshape(n * b, s), jnp.broadcast_to(limit, (n, b)).reshape(-1),
+                          count, k_max=k_max)
+  return idx.reshape(n, b, k_max), count.reshape(n, b)
+
+
 def kept_union(rows: jax.Array, start: jax.Array, spec: SpecAttnConfig, k_max: int,
                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """rows [gamma, U, B, S]: the draft rows of positions start + s (s = 0..gamma-1) over keys
@@ -126,16 +150,7 @@ def kept_union(rows: jax.Array, start: jax.Array, spec: SpecAttnConfig, k_max: i
   method = spec.topp_method
   idx, cnt = _topp.topp_select(rows.reshape(-1, s), lengths, p=spec.top_p, k_max=k_max,
                                method=method, interpret=interpret and method == "pallas")
-  valid = jnp.arange(k_max)[None] < cnt[:, None]
-  keep = jnp.zeros((g * u * b, s + 1), bool).at[
-      jnp.arange(g * u * b)[:, None], jnp.where(valid, idx, s)].set(True)[:, :s]
-  keep = keep.reshape(g, u, b, s).any(axis=0) & (jnp.arange(s) < start[:, None])   # [U, B, S]
-  w = rows.astype(jnp.float32)
-  total = jnp.where(keep, jnp.where(jnp.isfinite(w) & (w > 0), w, 0.0).sum(axis=0), -jnp.inf)
-  count = jnp.minimum(keep.sum(-1, dtype=jnp.int32), k_max).reshape(-1)
-  idx = _topk.topk_select(total.reshape(u * b, s), jnp.broadcast_to(start, (u, b)).reshape(-1),
-                          count, k_max=k_max)
-  return idx.reshape(u, b, k_max), count.reshape(u, b)
+  return capped_union(row_sets(idx, cnt, s).reshape(g, u, b, s), rows, start, k_max)
 
 
 @struct.dataclass
@@ -144,15 +159,23 @@ class SpecAttnState:
   prev_token: jax.Array   # [B] int32: the token at target position lengths - 1
   plan: LayerMapped       # the target's verification plan for the round just drafted
   kept: jax.Array         # [B] f32: summed over active rounds, the prefix keys a sparse layer
-                          # reads (mean over the sparse target layers)
+                          # reads (mean over the sparse target layers; STS: and their KV heads)
   prefix: jax.Array       # [B] f32: summed over the same rounds, the prefix length
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecAttnDrafter(DraftModelDrafter):
-  """A draft model drafts (as `DraftModelDrafter`) and its attention picks the target's keys."""
+  """A draft model drafts (as `DraftModelDrafter`) and its attention picks the target's keys.
+
+  The round's skeleton (draft with scores, build the plan, verify over it) is shared with STS
+  (`jaxspec.drafting.sts.STSDrafter`), which overrides the scores it collects (`draft_scores`),
+  the selection (`select`) and the plan's shapes (`empty_plan`)."""
   name: str = "specattn"
   spec: SpecAttnConfig | None = None
+
+  @property
+  def draft_scores(self) -> ScoreSpec:
+    return DRAFT_SCORES
 
   def start(self, draft: Transformer, prompts: jax.Array, prompt_lens: jax.Array,
             state: DecodeState, scores: None, config: RunConfig) -> SpecAttnState:
@@ -169,20 +192,28 @@ class SpecAttnDrafter(DraftModelDrafter):
                        counts=jnp.zeros((u, b), jnp.int32), tail_start=lengths,
                        slots=self.spec.slots)
 
+  def select(self, scores: jax.Array, start: jax.Array, config: RunConfig
+             ) -> tuple[jax.Array, jax.Array]:
+    """The round's draft scores [gamma, Ld, B, S] -> the plan's (indices, counts)."""
+    rows = scores[:, jnp.asarray(self.spec.draft_layers)]                       # [gamma, U, B, S]
+    return kept_union(rows, start, self.spec, self.spec.k_max(config.capacity),
+                      interpret=config.backend != "pallas")
+
   def draft(self, target: Transformer, draft: Transformer, state: SpecState, config: RunConfig
             ) -> tuple[SpecState, jax.Array, jax.Array | None]:
-    state, drafts, probs, scores = self.run_draft(draft, state, config, Dense(scores=DRAFT_SCORES))
+    state, drafts, probs, scores = self.run_draft(draft, state, config,
+                                                  Dense(scores=self.draft_scores))
     ds = state.decode
     start = jnp.minimum(ds.cache.lengths, ds.cache.capacity - config.reserve)   # as run_draft's
-    rows = scores[:, jnp.asarray(self.spec.draft_layers)]                       # [gamma, U, B, S]
-    idx, cnt = kept_union(rows, start, self.spec, self.spec.k_max(config.capacity),
-                          interpret=config.backend != "pallas")
+    idx, cnt = self.select(scores, start, config)
     plan = state.drafter.plan.replace(indices=idx, counts=cnt, tail_start=start)
     sparse = [u for u in self.spec.slots if u >= 0]
     active = ~ds.done
     dm = state.drafter
     dm = dm.replace(plan=plan,
-                    kept=dm.kept + jnp.where(active, cnt[jnp.asarray(sparse)].mean(0), 0.0),
+                    kept=dm.kept + jnp.where(
+                        active, cnt[jnp.asarray(sparse)].reshape(len(sparse), start.shape[0],
+                                                                 -1).mean((0, 2)), 0.0),
                     prefix=dm.prefix + jnp.where(active, start, 0).astype(jnp.float32))
     return state.replace(drafter=dm), drafts, probs
 
@@ -194,5 +225,5 @@ class SpecAttnDrafter(DraftModelDrafter):
     return float(kept / prefix) if prefix > 0 else float("nan")
 
   def verify_plan(self, state: SpecState) -> LayerMapped:
-    """Dense first layers, the rest over the round's united lists plus the dense tail."""
+    """The round's plan: dense layers, the rest over its index lists plus the dense tail."""
     return state.drafter.plan

@@ -15,15 +15,16 @@ Methods (`METHODS`): 'none' is vanilla decoding, its compiled step the plain one
 baseline every speedup is measured against); 'draft' drafts with a separate draft model;
 'specattn' drafts with a draft model and verifies with sparse attention picked by the draft's
 attention (`jaxspec.drafting.specattn`): it CHANGES the output (approximate verification, exact
-with respect to the masked target); the rest are self-drafting policies
-(`jaxspec.drafting.policies`).
+with respect to the masked target); 'sts' likewise, each target head reading the top-k keys of its
+mapped draft head (`jaxspec.drafting.sts`), and it CHANGES the output the same way; the rest are
+self-drafting policies (`jaxspec.drafting.policies`).
 
 Tensor parallelism: `Runner(model, tp=N)` places the model (and the draft model) on a `tp` mesh of
 N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned by XLA, with the
 attention kernels under `shard_map`. A model loaded with `load_model(..., tp=N)` is already placed.
 
-Greedy speculative output equals vanilla greedy output exactly in float32 ('specattn' excepted:
-its output is the sparse-attention target's). In bfloat16 the
+Greedy speculative output equals vanilla greedy output exactly in float32 ('specattn' and 'sts'
+excepted: their output is the sparse-attention target's). In bfloat16 the
 verification pass (gamma + 1 rows) and the one-token step round differently, so texts can part
 at near-ties. Sampled output follows the same distribution as vanilla sampling.
 """
@@ -44,7 +45,7 @@ from tqdm import tqdm
 
 from jaxspec import requests
 from jaxspec.drafting import policies
-from jaxspec.drafting import specattn
+from jaxspec.drafting import specattn, sts
 from jaxspec.drafting.draft_model import DraftModelDrafter
 from jaxspec.drafting.self_drafting import SelfDrafter
 from jaxspec.drafting.trees import Tree
@@ -59,8 +60,8 @@ from jaxspec.model import sharding
 from jaxspec.model.attention import check_backend, default_backend
 from jaxspec.model.transformer import Transformer
 
-METHODS = ("none", "draft", "specattn", *policies.SELF_DRAFTING)
-DRAFT_MODEL_METHODS = ("draft", "specattn")
+METHODS = ("none", "draft", "specattn", "sts", *policies.SELF_DRAFTING)
+DRAFT_MODEL_METHODS = ("draft", "specattn", "sts")
 DEFAULT_GAMMA = 6
 # Disaggregated serving: prefills kept in flight on the prefill device beyond the free slots, so
 # that slots finishing at the next chunk boundary find theirs ready (each holds a batch-1 cache
@@ -118,16 +119,19 @@ class Runner:
 
   method: one of METHODS; gamma: drafts per round (static); sparsity: the fraction of the prefix
   self-drafts attend to, in (0, 1]; min_tokens: the budget floor; score_kind: 'logits' | 'weights'
-  for the vegas family; draft_model: the drafter for methods 'draft' and 'specattn' (same
+  for the vegas family; draft_model: the drafter for methods 'draft', 'specattn' and 'sts' (same
   vocabulary as the target); top_p_attn, layer_map, attn_cap: method 'specattn''s kept attention
   mass in (0, 1], its map f (one draft layer per target layer, from `jaxspec.specattn_map`; None:
   the proportional map floor(j * Ld / Lt)) and its index-list cap K_max (None: the cache
-  capacity), see `jaxspec.drafting.specattn.SpecAttnConfig`; stop_ids: a sequence stops at its
-  first stop id (kept in the output), None = the model's end-of-sequence ids, () = none; backend: 'reference', 'pallas' or 'interpret' (default:
-  pallas on a GPU); tree: draft a tree instead of a chain, given as widths per depth ((2, 2, 1, 1):
-  the root's 2 children, 2 each for them, then 1 and 1) or a `drafting.trees.Tree`, verified in
-  one pass in `tree_order` ('bfs' or 'dfs'); gamma is then the tree's depth (default 6 for a
-  chain); tp: tensor-parallel devices (both models are placed on a mesh of the first tp devices;
+  capacity), see `jaxspec.drafting.specattn.SpecAttnConfig`; sts_budget, sts_block, head_map:
+  method 'sts''s k (prefix keys per target KV head and round, required), its page size P (1: token
+  granularity) and its head map (`jaxspec.sts_map.load_map`, made for this pair and budget; None:
+  the proportional map), see `jaxspec.drafting.sts.STSConfig`; stop_ids: a sequence stops at its
+  first stop id (kept in the output), None = the model's end-of-sequence ids, () = none; backend:
+  'reference', 'pallas' or 'interpret' (default: pallas on a GPU); tree: draft a tree instead of
+  a chain, given as widths per depth ((2, 2, 1, 1): the root's 2 children, 2 each for them, then
+  1 and 1) or a `drafting.trees.Tree`, verified in one pass in `tree_order` ('bfs' or 'dfs');
+  gamma is then the tree's depth (default 6 for a chain); tp: tensor-parallel devices (both models are placed on a mesh of the first tp devices;
   None: wherever the model already is, the draft model joining it). Bad arguments raise a one-line
   ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
@@ -139,14 +143,15 @@ class Runner:
                backend: str | None = None, tree: Sequence[int] | Tree | None = None,
                tree_order: str = "bfs", tp: int | None = None,
                top_p_attn: float = specattn.DEFAULT_TOP_P, layer_map: Sequence[int] | None = None,
-               attn_cap: int | None = None):
+               attn_cap: int | None = None, sts_budget: int | None = None, sts_block: int = 1,
+               head_map: "sts_map.HeadMap | None" = None):
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in DRAFT_MODEL_METHODS and draft_model is None:
       raise ValueError(f"method {method!r} needs a draft model (--draft_model)")
     if method not in DRAFT_MODEL_METHODS and draft_model is not None:
       raise ValueError(f"a draft model was given, but method {method!r} does not use one "
-                       "(use method 'draft' or 'specattn')")
+                       "(use method 'draft', 'specattn' or 'sts')")
     if draft_model is not None and draft_model.cfg.vocab_size != model.cfg.vocab_size:
       raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) is not "
                        f"the target's ({model.cfg.vocab_size}): they must share a tokenizer")
@@ -160,6 +165,9 @@ class Runner:
       if tp not in (None, 1) or model.mesh is not None:
         raise ValueError("method 'specattn' runs on one device (no tensor parallelism yet)")
       self.specattn = specattn.SpecAttnConfig(layers=layers, top_p=top_p_attn, cap=attn_cap)
+    self.sts = None
+    if method == "sts":
+      self.sts = sts_config(model, draft_model, sts_budget, sts_block, head_map, tp)
     self.method = method
     self.tree = requests.check_tree(tree, tree_order, method, gamma)
     if method == "none":
@@ -174,6 +182,9 @@ class Runner:
     self.stop_ids = requests.check_stop_ids(stop_ids, model.cfg)
     self.cache_dtype = requests.check_dtype("cache_dtype", cache_dtype).name
     self.backend = check_backend(backend or default_backend())
+    if self.sts is not None and self.sts.granularity == "q" and self.backend != "reference":
+      raise ValueError("a query-head STS map needs per-query-head draft scores, which only the "
+                       "reference backend collects (map with --granularity=kv)")
     self.mesh = model.mesh if tp is None else sharding.make_mesh(tp)
     if draft_model is not None:
       sharding.check_divides(draft_model.cfg, self.mesh, "the draft model")
@@ -202,6 +213,8 @@ class Runner:
       drafter = DraftModelDrafter()
     elif self.method == "specattn":
       drafter = specattn.SpecAttnDrafter(spec=self.specattn)
+    elif self.method == "sts":
+      drafter = sts.STSDrafter(spec=self.sts)
     elif self.speculative:
       drafter = SelfDrafter(policies.make_policy(
           self.method, ratio=self.sparsity, min_tokens=self.min_tokens,
@@ -274,8 +287,8 @@ class Runner:
     `on_chunk(tokens [B, N], num_new [B], done [B])` runs on the host after prefill and after
     every chunk (for streaming). stats.extra for speculative methods: method, gamma,
     mean_accepted_tokens (per round, incl. the corrected/bonus token), acceptance_by_position
-    (gamma floats), verify_rounds (sequence-rounds counted); for 'specattn' also kv_kept_share
-    (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`).
+    (gamma floats), verify_rounds (sequence-rounds counted); for 'specattn' and 'sts' also
+    kv_kept_share (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`).
     """
     if chunk is None:
       chunk = 16 if self.speculative else 64
@@ -318,7 +331,7 @@ class Runner:
           gamma=self.gamma, mean_accepted_tokens=round(acc["mean_accepted_tokens"], 4),
           acceptance_by_position=[round(p, 4) for p in acc["acceptance_by_position"]],
           verify_rounds=acc["verify_rounds"])
-    if self.method == "specattn":
+    if self.method in ("specattn", "sts"):
       stats.extra["kv_kept_share"] = round(specattn.SpecAttnDrafter.kept_share(state.drafter), 4)
     return [tokens[i, :num_new[i]].tolist() for i in range(len(prompts))], stats
 
@@ -583,6 +596,27 @@ class Runner:
     state, _, _ = self.start(prompts, max_new_tokens, max_len=max_len, seed=seed)
     _, out = self.time_phases(state, rounds=rounds, warmup=warmup)
     return dict(out, method=self.method, batch=len(prompts))
+
+
+def sts_config(model: Transformer, draft: Transformer, budget, block, head_map, tp
+               ) -> sts.STSConfig:
+  """Method 'sts''s static settings for the pair, checked (one-line ValueErrors)."""
+  from jaxspec import sts_map
+  budget = sts_map.check_budget(budget)
+  if tp not in (None, 1) or model.mesh is not None:
+    raise ValueError("method 'sts' runs on one device (no tensor parallelism yet)")
+  if head_map is None:
+    granularity = "kv"
+    heads = sts.proportional_heads(model.cfg.num_layers, model.cfg.num_kv_heads,
+                                   draft.cfg.num_layers, draft.cfg.num_kv_heads)
+  else:
+    if head_map.budget != budget:
+      raise ValueError(f"the STS head map was made for budget {head_map.budget}, not {budget}")
+    granularity = head_map.granularity
+    heads = sts_map.check_heads(head_map.heads, model, draft, granularity)
+  return sts.STSConfig(heads=heads, draft_heads=sts_map.heads_of(draft, granularity),
+                       target_kv_heads=model.cfg.num_kv_heads, budget=budget, block=block,
+                       granularity=granularity)
 
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, method: str = "none",

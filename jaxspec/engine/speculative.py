@@ -8,10 +8,10 @@ not yet in the cache):
              (`jaxspec.drafting.self_drafting`), a draft model its own dense steps over its own
              cache (`jaxspec.drafting.draft_model`).
   verify     ONE target forward pass over [last_token, d_1..d_gamma] at positions n..n+gamma with
-             full attention (SpecAttn: sparse attention chosen from the draft model's attention,
-             an approximate verification; `jaxspec.drafting.specattn`): it writes their exact
-             K/V, gives the target logits (p) and, for score-based policies, the criticality
-             scores. `rejection.verify_drafts` accepts a_b
+             full attention (SpecAttn and STS: sparse attention chosen from the draft model's
+             attention, an approximate verification; `jaxspec.drafting.specattn`, `.sts`): it
+             writes their exact K/V, gives the target logits (p) and, for score-based policies,
+             the criticality scores. `rejection.verify_drafts` accepts a_b
              drafts and picks the corrected or bonus token. cache.lengths += a_b + 1 (last_token
              and the accepted drafts; rejected entries are dropped by lengths, never copied), then
              `state.append_tokens` handles stops, budgets and the gamma + 1 free slots the next
@@ -50,8 +50,9 @@ def verify(target: Transformer, state: SpecState, drafts: jax.Array,
            draft_probs: jax.Array | None, config: RunConfig
            ) -> tuple[SpecState, jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
   """Verification of [last_token, drafts] in one pass, accept/reject, append. The drafter's
-  `verify_plan(state)` is the target's attention: full attention for every drafter but SpecAttn's,
-  whose sparse plan makes the target an approximation (`jaxspec.drafting.specattn`).
+  `verify_plan(state)` is the target's attention: full attention for every drafter but SpecAttn's
+  and STS's, whose sparse plans make the target an approximation (`jaxspec.drafting.specattn`,
+  `jaxspec.drafting.sts`).
 
   Returns (state with lengths moved and tokens appended, the verified tokens along the accepted
   path [B, gamma + 1] (root first; the chain's tokens are that path), the scores the drafter asked

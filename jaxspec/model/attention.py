@@ -20,7 +20,8 @@ Plans:
   QuestPages   one new query against the Quest-selected pages plus the dense tail: the page scores
                are computed here from the current query and per-page key summaries.
   LayerMapped  per layer, Dense or one of a few shared `Sparse` selections (SpecAttn's
-               verification: target layers reading the same draft layer share its selection).
+               verification: target layers reading the same draft layer share its selection;
+               STS's: one selection per layer, one index list per KV head).
 Dense and Sparse take an optional `tree_bits` [T] or [B, T] int32 (a draft tree's
 `Tree.ancestor_bits`, shared by all layers): query t then sees what the plan shows it before
 `lengths` and key lengths + i iff bit i of tree_bits[t] is set (i < 32), instead of the causal
@@ -54,6 +55,7 @@ from pallas_kernels import verify_attention as _verify
 
 BACKENDS = ("reference", "pallas", "interpret")
 SCORE_KINDS = ("logits", "weights")
+SCORE_HEADS = ("mean", "kv", "q")
 
 
 def default_backend() -> str:
@@ -71,17 +73,22 @@ def check_backend(backend: str) -> str:
 class ScoreSpec:
   """Which criticality scores a dense pass collects (see `pallas_kernels.verify_attention`).
 
-  kind: 'logits' (pre-softmax q.k) or 'weights' (softmax weights), averaged over query heads;
-  rows: the query rows summed into one score row per sequence ((0, -1) is Collect-2-Query, None
-  every row); per_row: one score row per query instead ([B, T, S]).
+  kind: 'logits' (pre-softmax q.k) or 'weights' (softmax weights); rows: the query rows summed
+  into one score row per sequence ((0, -1) is Collect-2-Query, None every row); per_row: one score
+  row per query instead ([B, T, S]); heads: 'mean' averages over every query head, 'kv' gives one
+  row per KV head (the mean over its query group: [B, Hkv, S], per_row [B, T, Hkv, S]), 'q' one
+  per query head ([B, Hq, S], per_row [B, T, Hq, S]; the pure-JAX reference only).
   """
   kind: str = "logits"
   rows: tuple[int, ...] | None = (0, -1)
   per_row: bool = False
+  heads: str = "mean"
 
   def __post_init__(self):
     if self.kind not in SCORE_KINDS:
       raise ValueError(f"score kind must be one of {', '.join(SCORE_KINDS)}, got {self.kind!r}")
+    if self.heads not in SCORE_HEADS:
+      raise ValueError(f"score heads must be one of {', '.join(SCORE_HEADS)}, got {self.heads!r}")
 
 
 @struct.dataclass
@@ -139,7 +146,8 @@ class LayerMapped:
   """Layer i attends densely when slots[i] < 0, else as `Sparse` with selection slots[i]:
   indices[slots[i]][:, :counts] (positions before tail_start) plus every position from tail_start
   on. indices [U, B, K], counts [U, B] (U selections, each shared by the layers whose slot it is),
-  tail_start [B]; slots: one entry per layer, static."""
+  or per KV head indices [U, B, Hkv, K], counts [U, B, Hkv] (STS); tail_start [B]; slots: one
+  entry per layer, static."""
   indices: jax.Array
   counts: jax.Array
   tail_start: jax.Array
@@ -168,6 +176,9 @@ def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
   window's start as their `lengths`."""
   if isinstance(plan, (Dense, Sparse)) and plan.tree_bits is not None:
     lengths = lengths - plan.tree_offset
+  if mesh is not None and getattr(plan, "scores", None) is not None and plan.scores.heads != "mean":
+    raise ValueError("per-head scores are not built under tensor parallelism (the devices' means "
+                     "are averaged over all heads)")
   if mesh is None or backend == "reference":
     return _attend(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend)
 
@@ -205,7 +216,8 @@ def _attend(q, k_new, v_new, k_cache, v_cache, lengths, plan: Plan, backend: str
   if isinstance(plan, Dense):
     spec = plan.scores
     kw = {} if spec is None else dict(score_kind=spec.kind, score_rows=spec.rows,
-                                      per_row=spec.per_row, score_dtype=score_dtype)
+                                      per_row=spec.per_row, score_heads=spec.heads,
+                                      score_dtype=score_dtype)
     if kernel:
       return _verify.verify_attention(q, k_cache, v_cache, lengths, interpret=interpret,
                                       tree_bits=plan.tree_bits, **kw)

@@ -1,0 +1,176 @@
+"""STS, Speculative Token Sparsity (`../shared/papers/sts.txt`): draft-model speculative decoding
+whose verification reads, per target head, only the keys the draft model's mapped head attended to.
+
+This CHANGES the target's output: the target verifies with a masked (sparse) attention, so the
+text is the masked target's, not the dense target's. Speculative sampling stays exact with respect
+to that masked target: greedy output equals greedy decoding of the masked target (below), sampled
+output follows its distribution. The full KV cache is kept; only what verification reads is cut.
+
+It is SpecAttn's round (`jaxspec.drafting.specattn`: the same drafter skeleton, row alignment and
+union) with a per-head selection. One round, for a sequence whose target cache holds [0, n):
+  draft    the draft model's gamma dense steps return, per draft layer and head, the attention
+           weights of the row that sampled each draft (positions n + s, s = 0..gamma-1, over keys
+           [0, n + s]): per KV head the mean over its query group (granularity 'kv', the default),
+           or per query head ('q'; the pure-JAX reference collects these, the kernel does not).
+  mask     every target layer j and head h reads its mapped draft head (`jaxspec.sts_map`, one map
+           per budget k; without one the proportional map, draft layer floor(j * Ld / Lt) and head
+           floor(h * Hd / Ht)). Per row: the top-k keys of that draft head (`topk_select`, exact,
+           ties to the lower position). The gamma rows' sets are united, positions >= n dropped
+           (the dense tail holds them), and when the union exceeds k the k keys with the largest
+           weight summed over the rows are kept (`specattn.capped_union`): each target KV head
+           reads at most k prefix keys. At 'q' granularity a KV head's list unites the rows of
+           its G query heads' draft heads, capped at k the same way.
+           Block variant (`block` = P > 1, the paper's §4.3): the same over pages of P tokens (a
+           page's weight is the sum of its keys' weights; k // P pages per row and after the
+           union), the kept pages' tokens below n. Token granularity is P = 1 of the same code.
+  verify   one target pass over [last_token, d_1..d_gamma], every layer through `sparse_attention`
+           with one index list per KV head ([B, Hkv, K]) plus the dense tail [n, n + t] for row t.
+           Softmax over the visible keys only.
+
+Costs: a KV head's list holds at most k positions (k // P pages), so verification gathers k rows
+of K and V per KV head and layer, at either granularity, plus the gamma + 1 tail rows. The draft's
+score collection re-reads its keys once per step (`verify_attention`'s 'weights' pass).
+
+Row alignment and greedy equality are SpecAttn's (see its module docstring): the mask is a
+per-round object made from the draft rows of that round, so the masked target is an autoregressive
+decoder with a history-dependent mask; tests/test_sts.py builds it independently, one target token
+per step.
+
+Not built: STS-PD (sparse prefill of an appended turn), KV prefetch from host memory, draft trees,
+tensor parallelism.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.drafting.specattn import SpecAttnDrafter, capped_union, row_sets
+from jaxspec.sts_map import GRANULARITIES, check_budget
+from jaxspec.engine.config import RunConfig
+from jaxspec.model.attention import LayerMapped, ScoreSpec
+from pallas_kernels import topk_select as _topk
+
+
+def proportional_heads(target_layers: int, target_heads: int, draft_layers: int,
+                       draft_heads: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+  """The map without calibration: target (j, h) -> (floor(j * Ld / Lt), floor(h * Hd / Ht))."""
+  return tuple(tuple((j * draft_layers // target_layers, h * draft_heads // target_heads)
+                     for h in range(target_heads)) for j in range(target_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class STSConfig:
+  """STS's per-pair settings, bound once (static under jit).
+
+  heads: per target layer, per target head (KV heads at granularity 'kv', query heads at 'q'), the
+  mapped (draft layer, draft head); draft_heads: the draft's heads per layer at that granularity;
+  target_kv_heads: the target's KV heads; budget: k, the prefix keys each target KV head reads per
+  round, >= block; block: P, tokens per page (1: token granularity)."""
+  heads: tuple[tuple[tuple[int, int], ...], ...]
+  draft_heads: int
+  target_kv_heads: int
+  budget: int
+  block: int = 1
+  granularity: str = "kv"
+
+  def __post_init__(self):
+    check_budget(self.budget)
+    if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+      raise ValueError(f"the STS block (tokens per page) must be an integer >= 1, got "
+                       f"{self.block!r}")
+    if self.block > self.budget:
+      raise ValueError(f"the STS budget ({self.budget}) must hold at least one page of "
+                       f"{self.block} tokens")
+    if self.granularity not in GRANULARITIES:
+      raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got "
+                       f"{self.granularity!r}")
+
+  @property
+  def group(self) -> int:
+    """Mapped target heads per target KV head (1 at 'kv', G at 'q')."""
+    return len(self.heads[0]) // self.target_kv_heads
+
+  @property
+  def slots(self) -> tuple[int, ...]:
+    """Per target layer its selection in the plan: every layer sparse, each its own."""
+    return tuple(range(len(self.heads)))
+
+  @property
+  def table(self) -> tuple[int, ...]:
+    """Per target (layer, head), layer-major: its draft head's flat index, layer * Hd + head."""
+    return tuple(i * self.draft_heads + e for layer in self.heads for i, e in layer)
+
+  def pages(self, capacity: int) -> int:
+    """Pages kept per row and per list: k // P, at most the cache's pages."""
+    return min(self.budget // self.block, -(-capacity // self.block))
+
+  def k_max(self, capacity: int) -> int:
+    return min(self.pages(capacity) * self.block, capacity)
+
+  @property
+  def draft_scores(self) -> ScoreSpec:
+    """The draft steps collect, per head, the weights of the row that sampled the draft."""
+    return ScoreSpec("weights", rows=(-1,), heads=self.granularity)
+
+
+def head_union(rows: jax.Array, start: jax.Array, spec: STSConfig, capacity: int
+               ) -> tuple[jax.Array, jax.Array]:
+  """rows [gamma, Ld, B, Hd, S]: the draft's per-head rows of positions start + s over keys
+  [0, start + s] -> (indices [Lt, B, Hkv, K] ascending, counts [Lt, B, Hkv]), K = `k_max`: per
+  target layer and KV head, its mapped draft heads' per-row top-k pages, united over the rows (and
+  over a KV group's query heads at 'q'), below start, capped at k // P pages, as token positions."""
+  g, ld, b, hd, s = rows.shape
+  p, kp = spec.block, spec.pages(capacity)
+  n_pages = -(-s // p)
+  used = tuple(sorted(set(spec.table)))       # each draft head's top-k is computed once
+  w = rows.astype(jnp.float32).swapaxes(2, 3).reshape(g, ld * hd, b, s)[:, jnp.asarray(used)]
+  w = jnp.where(jnp.isfinite(w) & (w > 0), w, 0.0)
+  pw = jnp.pad(w, ((0, 0),) * 3 + ((0, n_pages * p - s),)).reshape(g, len(used), b, n_pages, p)
+  pw = pw.sum(-1)                                                               # [g, N, B, Pn]
+  seen = start[None, None] + jnp.arange(g, dtype=jnp.int32)[:, None, None] + 1  # keys per row
+  page_len = jnp.broadcast_to(-(-seen // p), (g, len(used), b)).reshape(-1)
+  take = jnp.minimum(page_len, kp)
+  idx = _topk.topk_select(pw.reshape(-1, n_pages), page_len, take, k_max=kp)
+  keep = row_sets(idx, take, n_pages).reshape(g, len(used), b, n_pages)
+  # Per target (layer, KV head): its rows, a KV group's G query heads' rows side by side.
+  t = jnp.asarray([used.index(i) for i in spec.table])
+  units, grp = len(spec.table) // spec.group, spec.group
+
+  def per_unit(x):
+    return x[:, t].reshape(g, units, grp, b, n_pages).swapaxes(1, 2).reshape(
+        g * grp, units, b, n_pages)
+
+  pidx, pcnt = capped_union(per_unit(keep), per_unit(pw), -(-start // p), kp)  # [U*Hkv, B, kp]
+  tokens = (pidx[..., None] * p + jnp.arange(p)).reshape(units, b, kp * p)
+  # Pages ascend, so the positions below start form a prefix (only the last page can cross it).
+  in_list = jnp.broadcast_to(jnp.arange(kp)[:, None] < pcnt[..., None, None], (units, b, kp, p))
+  valid = in_list.reshape(units, b, kp * p) & (tokens < start[:, None])
+  k = spec.k_max(capacity)
+  idx = jnp.where(valid, tokens, 0)[..., :k]
+  cnt = valid.sum(-1, dtype=jnp.int32)
+  lt, hkv = len(spec.heads), spec.target_kv_heads
+  return (idx.reshape(lt, hkv, b, k).swapaxes(1, 2), cnt.reshape(lt, hkv, b).swapaxes(1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class STSDrafter(SpecAttnDrafter):
+  """SpecAttn's round with STS's per-head selection (`head_union`); every target layer sparse."""
+  name: str = "sts"
+  spec: STSConfig | None = None
+
+  @property
+  def draft_scores(self) -> ScoreSpec:
+    return self.spec.draft_scores
+
+  def empty_plan(self, lengths: jax.Array, capacity: int) -> LayerMapped:
+    lt, b = len(self.spec.heads), lengths.shape[0]
+    hkv, k = self.spec.target_kv_heads, self.spec.k_max(capacity)
+    return LayerMapped(indices=jnp.zeros((lt, b, hkv, k), jnp.int32),
+                       counts=jnp.zeros((lt, b, hkv), jnp.int32), tail_start=lengths,
+                       slots=self.spec.slots)
+
+  def select(self, scores: jax.Array, start: jax.Array, config: RunConfig
+             ) -> tuple[jax.Array, jax.Array]:
+    return head_union(scores, start, self.spec, config.capacity)
