@@ -21,7 +21,8 @@ exp(scale * q.k - lse) (`score_kind='weights'`). Keys not visible to every colle
 own scores (for the policies keyed on the last accepted token). `score_heads='kv'` keeps one score
 row per KV head, the mean over its G query heads ([B, Hkv, S], per_row [B, T, Hkv, S]: STS's
 per-head masks); 'q' one per query head ([B, Hq, S], per_row [B, T, Hq, S]; the reference only).
-`score_dtype=jnp.float32` returns them before the bf16 rounding (tensor parallelism averages the devices' float32 means first).
+`score_dtype=jnp.float32` returns them before the bf16 rounding (tensor parallelism averages the
+devices' float32 means first).
 
 Kernel (`verify_attention`), flash-decoding. Decoding and verification are bound by the bytes of
 the cache, so the tiling reads every K/V byte from HBM once, however many query rows there are:
