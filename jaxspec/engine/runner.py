@@ -131,8 +131,9 @@ class Runner:
   'reference', 'pallas' or 'interpret' (default: pallas on a GPU); tree: draft a tree instead of
   a chain, given as widths per depth ((2, 2, 1, 1): the root's 2 children, 2 each for them, then
   1 and 1) or a `drafting.trees.Tree`, verified in one pass in `tree_order` ('bfs' or 'dfs');
-  gamma is then the tree's depth (default 6 for a chain); tp: tensor-parallel devices (both models are placed on a mesh of the first tp devices;
-  None: wherever the model already is, the draft model joining it). Bad arguments raise a one-line
+  gamma is then the tree's depth (default 6 for a chain); tp: tensor-parallel devices (both
+  models are placed on a mesh of the first tp devices; None: wherever the model already is, the
+  draft model joining it). Bad arguments raise a one-line
   ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
