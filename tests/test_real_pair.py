@@ -1,6 +1,7 @@
 """The real Qwen2.5-Coder pair (0.5B drafting for 1.5B, float32, one short chat prompt): draft-model
-decoding equals the 1.5B's greedy output, SpecAttn equals greedy decoding of the masked 1.5B. Its own
-file so that one xdist worker holds the pair (13 GB) while the other runs the rest."""
+decoding equals the 1.5B's greedy output; SpecAttn and STS equal greedy decoding of the 1.5B masked
+their way. Its own file so that one xdist worker holds the pair (13 GB) while the other runs the
+rest."""
 import jax.numpy as jnp
 import pytest
 
@@ -40,10 +41,27 @@ def test_real_pair_specattn_greedy_equals_the_masked_target(real_pair):
   """SpecAttn on the real pair (proportional layer map, p = 0.95): greedy output equals greedy
   decoding of the SpecAttn-masked 1.5B, built one token at a time (test_specattn.masked_greedy),
   and the mask drops keys."""
-  from test_specattn import masked_greedy
+  from jaxspec.drafting import specattn
+  from test_specattn import masked_greedy, specattn_plan
   target, draft, ids = real_pair
   runner = Runner(target.model, method="specattn", draft_model=draft.model, gamma=4,
                   top_p_attn=0.95, stop_ids=(), cache_dtype=jnp.float32)
   out, stats = runner.generate(ids, max_new_tokens=12)
   assert 0 < stats.extra["kv_kept_share"] < 1
-  assert out[0] == masked_greedy(target.model, draft.model, ids[0], runner.specattn, 4, 12)
+  assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 12, specattn.DRAFT_SCORES,
+                                 specattn_plan(runner.specattn))
+
+
+def test_real_pair_sts_greedy_equals_the_masked_target(real_pair):
+  """STS on the real pair (proportional head map, k = 16 keys per KV head): greedy output equals
+  greedy decoding of the STS-masked 1.5B, built one token at a time with numpy masks
+  (test_sts.sts_plan checks the engine's masks against them)."""
+  from test_specattn import masked_greedy
+  from test_sts import sts_plan
+  target, draft, ids = real_pair
+  runner = Runner(target.model, method="sts", draft_model=draft.model, gamma=4, sts_budget=16,
+                  stop_ids=(), cache_dtype=jnp.float32)
+  out, stats = runner.generate(ids, max_new_tokens=12)
+  assert 0 < stats.extra["kv_kept_share"] < 1
+  assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 12,
+                                 runner.sts.draft_scores, sts_plan(runner.sts))
