@@ -41,7 +41,8 @@ from absl import flags
 from flax import nnx
 
 from benchmarks.common import device_name, git_commit, write_json
-from benchmarks.workloads import BOOK, data_path
+from benchmarks.workloads import BOOK
+from jaxspec.io.data import data_path
 from jaxspec import cli
 from jaxspec.drafting import specattn
 from jaxspec.model.attention import Dense, LayerMapped, Prefill, ScoreSpec

@@ -16,10 +16,10 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-import os
 import random
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+from jaxspec.io.data import data_path
+
 BOOK = "frankenstein.txt"
 LONG_QUESTIONS = (
     "Summarise what happens in the passage above, chapter by chapter.",
@@ -29,14 +29,6 @@ LONG_QUESTIONS = (
 )
 LONG_ROOM = 64   # tokens kept free in a long prompt for the chat template and the question
 WORKLOADS = ["short", "long", "continuation"]
-
-
-def data_path(name: str) -> str:
-  path = os.path.abspath(os.path.join(os.environ.get("JAXSPEC_DATA", DATA), name))
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: the benchmarks read ../shared/data beside the repo "
-                            "(or set JAXSPEC_DATA)")
-  return path
 
 
 def _jsonl(name: str, field: str) -> list[str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -21,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from jaxspec.io.data import data_path
 from jaxspec.model.attention import Dense, Prefill, ScoreSpec
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
 
 CALIBRATION_TEXT = "wikitext2_test.txt"
-_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -35,8 +34,7 @@ _DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 def calibration_text() -> str:
   """WikiText-2's test split: `wikitext2_test.txt` in $JAXSPEC_DATA, else ../shared/data beside
   the repository."""
-  return (Path(os.environ.get("JAXSPEC_DATA", _DATA)) / CALIBRATION_TEXT).read_text(
-      encoding="utf-8")
+  return Path(data_path(CALIBRATION_TEXT)).read_text(encoding="utf-8")
 
 
 def calibration_windows(tokens: Sequence[int], n: int, length: int) -> np.ndarray:
