@@ -1,5 +1,7 @@
 """Shared fixtures. Weight-loading fixtures are prefixed `weights_`."""
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -22,13 +24,32 @@ def pytest_collection_modifyitems(items):
   items.sort(key=rank)   # stable: each file keeps its own order
 
 
+_XLA_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
 def pytest_configure(config):
+  if not hasattr(config, "workerinput") and _XLA_CACHE_ENV not in os.environ:
+    # One persistent XLA cache for the run, shared by the xdist workers and every CLI subprocess
+    # they start (they inherit the environment): many tests compile the same model graphs (a
+    # SmolLM2 generate per CLI test, the same tiny models across files), and a hit skips XLA:CPU's
+    # compile. Removed when the run ends.
+    config.xla_cache = tempfile.mkdtemp(prefix="jaxspec-tests-xla-")
+    os.environ[_XLA_CACHE_ENV] = config.xla_cache
+    import jax   # already imported here (by jaxspec): the environment is read at import
+    jax.config.update("jax_compilation_cache_dir", config.xla_cache)
   if hasattr(config, "workerinput"):
     # An xdist worker, one per core: torch's default of one intra-op thread per core would spin
     # against the other worker (test_peer_hf.py measured a SmolLM2 step at 1.3-3.5 s with two
     # threads on a busy 2-core machine, 0.2 s with one).
     import torch
     torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+  cache = getattr(config, "xla_cache", None)
+  if cache is not None:
+    shutil.rmtree(cache, ignore_errors=True)
+    os.environ.pop(_XLA_CACHE_ENV, None)
 
 
 @pytest.fixture(scope="session")

@@ -30,9 +30,9 @@ def test_real_pair_draft_greedy_equals_the_targets_greedy(real_pair):
   output is the 1.5B's own greedy output."""
   target, draft, ids = real_pair
   common = dict(stop_ids=target.stop_ids, cache_dtype=jnp.float32)
-  vanilla, _ = Runner(target.model, **common).generate(ids, max_new_tokens=16)
+  vanilla, _ = Runner(target.model, **common).generate(ids, max_new_tokens=10)
   out, stats = Runner(target.model, method="draft", draft_model=draft.model, gamma=4,
-                      **common).generate(ids, max_new_tokens=16)
+                      **common).generate(ids, max_new_tokens=10)
   assert out == vanilla
   assert stats.extra["mean_accepted_tokens"] > 1
 
@@ -46,9 +46,9 @@ def test_real_pair_specattn_greedy_equals_the_masked_target(real_pair):
   target, draft, ids = real_pair
   runner = Runner(target.model, method="specattn", draft_model=draft.model, gamma=4,
                   top_p_attn=0.95, stop_ids=(), cache_dtype=jnp.float32)
-  out, stats = runner.generate(ids, max_new_tokens=12)
+  out, stats = runner.generate(ids, max_new_tokens=8)
   assert 0 < stats.extra["kv_kept_share"] < 1
-  assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 12, specattn.DRAFT_SCORES,
+  assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 8, specattn.DRAFT_SCORES,
                                  specattn_plan(runner.specattn))
 
 
@@ -61,7 +61,7 @@ def test_real_pair_sts_greedy_equals_the_masked_target(real_pair):
   target, draft, ids = real_pair
   runner = Runner(target.model, method="sts", draft_model=draft.model, gamma=4, sts_budget=16,
                   stop_ids=(), cache_dtype=jnp.float32)
-  out, stats = runner.generate(ids, max_new_tokens=12)
+  out, stats = runner.generate(ids, max_new_tokens=8)
   assert 0 < stats.extra["kv_kept_share"] < 1
-  assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 12,
+  assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 8,
                                  runner.sts.draft_scores, sts_plan(runner.sts))
