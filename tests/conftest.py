@@ -14,7 +14,8 @@ from jaxspec import fetch
 # balance depends on this list.
 LONG_FILES = ("test_real_pair.py", "test_engine.py", "test_speculative.py", "test_tree_decoding.py",
               "test_cli.py", "test_weights.py", "test_tools.py", "test_peer_hf.py",
-              "test_tensor_parallel.py", "test_kernels.py", "test_serving.py", "test_interrupts.py")
+              "test_tensor_parallel.py", "test_kernels.py", "test_serving.py", "test_interrupts.py",
+              "test_nsa.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -171,6 +171,10 @@ class Runner:
       self.sts = sts_config(model, draft_model, sts_budget, sts_block, head_map, tp)
     self.method = method
     self.tree = requests.check_tree(tree, tree_order, method, gamma)
+    if any(m is not None and m.cfg.nsa is not None for m in (model, draft_model)) and (
+        method not in ("none", "draft") or self.tree is not None):
+      raise ValueError("NSA models run method 'none' or 'draft' with a chain for now (a tree's "
+                       "accepted path needs its compression blocks rewritten, not wired yet)")
     if method == "none":
       self.gamma = 0
     elif self.tree is not None:

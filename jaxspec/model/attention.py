@@ -22,6 +22,13 @@ Plans:
   LayerMapped  per layer, Dense or one of a few shared `Sparse` selections (SpecAttn's
                verification: target layers reading the same draft layer share its selection;
                STS's: one selection per layer, one index list per KV head).
+  NSA          Native Sparse Attention, the only plan of a model whose config has `nsa`
+               (`jaxspec.model.nsa`): T new rows (prefill, decoding, a chain or a whole tree)
+               with SSV's verification schedule (merged or shared-index groups, refresh/reuse
+               layers). `as_nsa` turns Prefill and Dense plans into it, so the engine's vanilla
+               and chain loops run NSA models unchanged. No kernel yet: every backend runs the
+               pure-JAX reference, and `attend` returns each row's selected blocks instead of
+               scores.
 Dense and Sparse take an optional `tree_bits` [T] or [B, T] int32 (a draft tree's
 `Tree.ancestor_bits`, shared by all layers): query t then sees what the plan shows it before
 `lengths` and key lengths + i iff bit i of tree_bits[t] is set (i < 32), instead of the causal
@@ -49,6 +56,7 @@ from flax import struct
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxspec.drafting import pages as _pages
+from jaxspec.model import nsa as _nsa
 from jaxspec.model.sharding import AXIS, HEADS
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
@@ -160,12 +168,43 @@ class LayerMapped:
     return Sparse(indices=self.indices[u], counts=self.counts[u], tail_start=self.tail_start)
 
 
-Plan = Union[Prefill, Dense, Sparse, QuestPages, LayerMapped]
+@struct.dataclass
+class NSA:
+  """NSA attention (`jaxspec.model.nsa`). tree_bits [T] or [B, T] int32: the T rows are a whole
+  draft tree (`Tree.ancestor_bits`), None a chain. SSV's schedule, static: group, rows per group
+  (1: each row alone); shared, each group's last row selects for the group (changes the output;
+  without it grouping leaves the output bit for bit unchanged); refresh, one bool per layer
+  (False: reuse the selection of the nearest earlier refresh layer, changes the output; None:
+  every layer selects)."""
+  tree_bits: jax.Array | None = None
+  group: int = struct.field(pytree_node=False, default=1)
+  shared: bool = struct.field(pytree_node=False, default=False)
+  refresh: tuple[bool, ...] | None = struct.field(pytree_node=False, default=None)
+
+  def for_layer(self, i: int) -> "NSA":
+    return self
+
+
+Plan = Union[Prefill, Dense, Sparse, QuestPages, LayerMapped, NSA]
+
+
+def as_nsa(plan: Plan) -> NSA:
+  """The NSA plan an NSA model runs for `plan`: Prefill and a score-free Dense (chain, or a whole
+  tree) map onto it; the sparse plans and score collection have no NSA meaning."""
+  if isinstance(plan, NSA):
+    return plan
+  if isinstance(plan, Prefill) and plan.scores is None:
+    return NSA()
+  if isinstance(plan, Dense) and plan.scores is None and plan.tree_offset == 0:
+    return NSA(tree_bits=plan.tree_bits)
+  raise ValueError(f"an NSA model runs NSA, Prefill or score-free Dense plans (a tree as one "
+                   f"whole window), got {type(plan).__name__}")
 
 
 def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
            v_cache: jax.Array, lengths: jax.Array, plan: Plan, backend: str,
-           mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array | None]:
+           mesh: Mesh | None = None, nsa: _nsa.NSAInputs | None = None
+           ) -> tuple[jax.Array, jax.Array | None]:
   """q/k_new/v_new [B, T, H, D] (the new tokens; their K/V already written into the cache),
   lengths [B] the valid entries before them. Returns (out [B, T, Hq, D], scores or None):
   scores [B, S] bf16 for a `ScoreSpec` of summed rows, [B, T, S] with `per_row`. `mesh`: the
@@ -173,7 +212,15 @@ def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
 
   With `tree_bits` the bits address a window that starts `plan.tree_offset` slots before the new
   rows (a tree level drafted after `tree_offset` shallower nodes), so the kernels take that
-  window's start as their `lengths`."""
+  window's start as their `lengths`.
+
+  An `NSA` plan takes the layer's `nsa` inputs (gates, compressed cache, compression weights) and
+  returns (out, the selected blocks [B, T, Hkv, n]) from the reference on every backend."""
+  if isinstance(plan, NSA) or nsa is not None:
+    if not isinstance(plan, NSA) or nsa is None:
+      raise ValueError("NSA attention needs an NSA plan and the layer's NSA inputs together")
+    return _nsa.nsa_attention(q, k_cache, v_cache, lengths, nsa, tree_bits=plan.tree_bits,
+                              group=plan.group, shared=plan.shared)
   if isinstance(plan, (Dense, Sparse)) and plan.tree_bits is not None:
     lengths = lengths - plan.tree_offset
   if mesh is not None and getattr(plan, "scores", None) is not None and plan.scores.heads != "mean":

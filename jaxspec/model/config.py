@@ -2,7 +2,8 @@
 
 One decoder covers Llama 3 / SmolLM2, Qwen2/2.5 and Qwen3; the architecture differences are
 flags here (`qkv_bias`, `qk_norm`, explicit `head_dim`, tied embeddings, RoPE scaling), never
-subclasses.
+subclasses. `nsa` (an `NSAConfig`) turns every attention layer into Native Sparse Attention
+(`jaxspec.model.nsa`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,37 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class NSAConfig:
+  """Native Sparse Attention (Yuan et al., 2025) for every attention layer (`jaxspec.model.nsa`).
+
+  The defaults are NSA's published ones (the SSV paper's text lost its constants; these are what
+  it says it instantiates): compression blocks of `compress_block` l = 32 tokens every
+  `compress_stride` d = 16 tokens; selection blocks of `select_block` l' = 64 tokens, of which each
+  query attends to `num_selected` n = 16, always including the initial block and the 2 local ones
+  (the block holding the query and the one before); a sliding window of `window` w = 512 tokens.
+  The three branches are mixed by learned gates, per query head and branch, sigmoid(linear(hidden
+  state)); the compression is a learned linear over the block's tokens plus their mean.
+  """
+  compress_block: int = 32
+  compress_stride: int = 16
+  select_block: int = 64
+  num_selected: int = 16
+  window: int = 512
+
+  def __post_init__(self):
+    for name in ("compress_block", "compress_stride", "select_block", "num_selected", "window"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"NSA {name} must be a positive integer, got {value!r}")
+    if self.compress_stride > self.compress_block:
+      raise ValueError(f"NSA compress_stride={self.compress_stride} exceeds compress_block="
+                       f"{self.compress_block}: compression blocks would skip tokens")
+    if self.num_selected < 3:
+      raise ValueError(f"NSA num_selected={self.num_selected} must be at least 3 (the initial "
+                       "block and the 2 local blocks are always selected)")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   arch: str
   vocab_size: int
@@ -49,12 +81,15 @@ class ModelConfig:
   max_position_embeddings: int = 32768
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  nsa: NSAConfig | None = None     # Native Sparse Attention in every layer; None: dense attention
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
       raise ValueError(f"unknown architecture {self.arch!r}; supported: {', '.join(ARCHITECTURES)}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.nsa is not None and not isinstance(self.nsa, NSAConfig):
+      raise ValueError(f"nsa must be an NSAConfig or None, got {type(self.nsa).__name__}")
 
   # --- HF config.json -------------------------------------------------------------------------
   @classmethod
@@ -104,6 +139,8 @@ class ModelConfig:
     if d.get("rope_scaling"):
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    if d.get("nsa"):
+      d["nsa"] = NSAConfig(**d["nsa"])
     return cls(**d)
 
   @property

@@ -5,6 +5,9 @@ K/V of new tokens at positions lengths[b] + t but never moves `lengths`: the cal
 of the written entries to keep (all of them for plain decoding, accepted + 1 after verification),
 so rejected drafts are dropped by lengths, never by copying the cache.
 On a tensor-parallel mesh the K/V buffers are split by KV head (`jaxspec.model.sharding`).
+An NSA model (`ModelConfig.nsa`) also keeps compressed K/V per layer, [B, C, Hkv, D] with
+C = `nsa.num_compressed(S)`, entry c holding compression block c once its last token is written
+(`jaxspec.model.nsa`); other models keep none (empty tuples).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
+from jaxspec.model import nsa
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import HEADS, constrain
 
@@ -22,6 +26,8 @@ class KVCache:
   k: tuple[jax.Array, ...]   # per layer [B, S, Hkv, D]
   v: tuple[jax.Array, ...]
   lengths: jax.Array         # [B] int32: valid entries per sequence
+  ck: tuple[jax.Array, ...] = ()   # NSA only: per layer compressed K [B, C, Hkv, D]
+  cv: tuple[jax.Array, ...] = ()
 
   @classmethod
   def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16,
@@ -29,11 +35,16 @@ class KVCache:
     """Zeroed buffers; on `mesh` (the model's, `Transformer.mesh`) split by KV head."""
     shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
 
-    def zeros():
+    def zeros(shape=shape):
       return constrain(jnp.zeros(shape, dtype), mesh, HEADS)
+    compressed = ()
+    if cfg.nsa is not None:
+      shape_c = (batch, nsa.num_compressed(capacity, cfg.nsa), cfg.num_kv_heads, cfg.head_dim)
+      compressed = tuple(zeros(shape_c) for _ in range(cfg.num_layers))
     return cls(k=tuple(zeros() for _ in range(cfg.num_layers)),
                v=tuple(zeros() for _ in range(cfg.num_layers)),
-               lengths=jnp.zeros((batch,), jnp.int32))
+               lengths=jnp.zeros((batch,), jnp.int32), ck=compressed,
+               cv=tuple(zeros(shape_c) for _ in compressed))
 
   @property
   def batch(self) -> int:

@@ -69,6 +69,8 @@ def check_divides(cfg: ModelConfig, mesh: Mesh | None, what: str = "the model") 
   """Raise a one-line ValueError unless the mesh splits the model into whole KV heads and whole
   MLP columns."""
   tp = tp_size(mesh)
+  if cfg.nsa is not None and tp > 1:
+    raise ValueError(f"{what} uses NSA attention, which runs on one device for now (tp={tp})")
   if cfg.num_kv_heads % tp:
     raise ValueError(f"tp={tp} does not divide the {cfg.num_kv_heads} KV heads of {what}: "
                      "tensor parallelism gives every device whole KV heads")

@@ -14,6 +14,12 @@ callers pick the rows they need first, so a long prefill never materialises [B, 
 `Transformer.mesh` is the tensor-parallel mesh its parameters are sharded over (None: one device);
 `jaxspec.model.sharding` says what is split how. With a mesh, q/k/v are constrained to whole heads
 per device and the outputs of o_proj and down_proj to replicated (one all-reduce each).
+
+With `cfg.nsa` every attention layer is Native Sparse Attention (`jaxspec.model.nsa`): it also
+holds the gate projection `g_proj` (hidden -> 3 gates per query head, sigmoid) and the compression
+weights `compress_k`, `compress_v` [Hkv, l, D, D], writes the compression blocks a chain call
+completes into the cache's compressed K/V, and runs the plan as `attention.as_nsa(plan)`; the
+third return value is then None. No trained NSA weights exist here: `init_random` only.
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.model import kv_cache as kvc
+from jaxspec.model import nsa
 from jaxspec.model import sharding
-from jaxspec.model.attention import Plan, attend
+from jaxspec.model.attention import NSA, Plan, as_nsa, attend
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.rope import apply_rope, rope_tables
 from jaxspec.model.sharding import HEADS, REPLICATED, constrain
@@ -56,8 +63,16 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
+    if cfg.nsa is not None:
+      self.g_proj = nnx.Linear(h, cfg.num_heads * len(nsa.BRANCHES), use_bias=True, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs,
+                               kernel_init=nnx.initializers.normal(0.02))
+      shape = (cfg.num_kv_heads, cfg.nsa.compress_block, hd, hd)
+      init = nnx.initializers.normal(0.02)
+      self.compress_k = nnx.Param(init(rngs.params(), shape, param_dtype))
+      self.compress_v = nnx.Param(init(rngs.params(), shape, param_dtype))
 
-  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh):
+  def _qkv(self, x, cos, sin, mesh):
     cfg = self.cfg
     b, t, _ = x.shape
     q = constrain(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), mesh, HEADS)
@@ -65,12 +80,34 @@ class Attention(nnx.Module):
     v = constrain(self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), mesh, HEADS)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh):
+    b, t, _ = x.shape
+    q, k, v = self._qkv(x, cos, sin, mesh)
     k_cache = kvc.write(k_cache, k, slots)
     v_cache = kvc.write(v_cache, v, slots)
     out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan, backend, mesh)
     out = constrain(self.o_proj(out.reshape(b, t, -1)), mesh, REPLICATED)
     return out, k_cache, v_cache, scores
+
+  def nsa_call(self, x, cos, sin, slots, k_cache, v_cache, ck, cv, lengths, plan: NSA,
+               indices, backend, mesh):
+    """NSA attention: (out, k_cache, v_cache, ck, cv, the selected blocks). `indices`: a reuse
+    layer's blocks (None: select). A chain's completed compression blocks go into ck/cv first."""
+    cfg = self.cfg
+    b, t, _ = x.shape
+    q, k, v = self._qkv(x, cos, sin, mesh)
+    k_cache = kvc.write(k_cache, k, slots)
+    v_cache = kvc.write(v_cache, v, slots)
+    wk, wv = self.compress_k[...], self.compress_v[...]
+    if plan.tree_bits is None:
+      ck, cv = nsa.extend_compressed(ck, cv, k_cache, v_cache, wk, wv, lengths, t, cfg.nsa)
+    gates = jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).reshape(b, t, cfg.num_heads, -1)
+    inputs = nsa.NSAInputs(gates=gates, ck=ck, cv=cv, wk=wk, wv=wv, indices=indices, cfg=cfg.nsa)
+    out, indices = attend(q, k, v, k_cache, v_cache, lengths, plan, backend, mesh, nsa=inputs)
+    out = constrain(self.o_proj(out.reshape(b, t, -1)), mesh, REPLICATED)
+    return out, k_cache, v_cache, ck, cv, indices
 
 
 class MLP(nnx.Module):
@@ -99,6 +136,15 @@ class DecoderLayer(nnx.Module):
     x = x + self.mlp(self.post_attention_layernorm(x), mesh)
     return x, k_cache, v_cache, scores
 
+  def nsa_call(self, x, cos, sin, slots, k_cache, v_cache, ck, cv, lengths, plan, indices,
+               backend, mesh):
+    a, k_cache, v_cache, ck, cv, indices = self.self_attn.nsa_call(
+        self.input_layernorm(x), cos, sin, slots, k_cache, v_cache, ck, cv, lengths, plan,
+        indices, backend, mesh)
+    x = x + a
+    x = x + self.mlp(self.post_attention_layernorm(x), mesh)
+    return x, k_cache, v_cache, ck, cv, indices
+
 
 class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=None, rngs: nnx.Rngs):
@@ -116,7 +162,10 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kvc.KVCache, plan: Plan,
                backend: str = "reference") -> tuple[jax.Array, kvc.KVCache, jax.Array | None]:
     """tokens, positions [B, T] -> (hidden [B, T, H], cache with the new K/V written,
-    scores [L, B, ...] | None). `backend`: see `jaxspec.model.attention.BACKENDS`."""
+    scores [L, B, ...] | None). `backend`: see `jaxspec.model.attention.BACKENDS`. An NSA model
+    runs `as_nsa(plan)` and returns no scores."""
+    if self.cfg.nsa is not None:
+      return self._nsa_forward(tokens, positions, cache, as_nsa(plan), backend)
     t = tokens.shape[1]
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     cos, sin = rope_tables(self.cfg, positions)
@@ -130,6 +179,37 @@ class Transformer(nnx.Module):
       scores.append(s)
     cache = cache.replace(k=tuple(ks), v=tuple(vs))
     return self.norm(x), cache, (jnp.stack(scores) if scores[0] is not None else None)
+
+  def _nsa_forward(self, tokens, positions, cache: kvc.KVCache, plan: NSA, backend: str):
+    """`__call__` of an NSA model: the layers under the plan's refresh/reuse schedule."""
+    t = tokens.shape[1]
+    slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    cos, sin = rope_tables(self.cfg, positions)
+    x = self.embed_tokens(tokens)
+    caches = []
+
+    def layer(i, indices):
+      nonlocal x
+      x, *layer_cache, indices = self.layers[i].nsa_call(
+          x, cos, sin, slots, cache.k[i], cache.v[i], cache.ck[i], cache.cv[i], cache.lengths,
+          plan, indices, backend, self.mesh)
+      caches.append(layer_cache)
+      return None, indices
+
+    nsa.run_schedule(nsa.check_refresh(plan.refresh, self.cfg.num_layers), layer)
+    k, v, ck, cv = (tuple(c) for c in zip(*caches))
+    return self.norm(x), cache.replace(k=k, v=v, ck=ck, cv=cv), None
+
+  def recompress(self, cache: kvc.KVCache, start: jax.Array, count: int) -> kvc.KVCache:
+    """An NSA model's cache with the compression blocks ending in slots start .. start + count - 1
+    (start [B]) written again from the raw cache: after a tree's accepted path is compacted into
+    those slots (a tree call writes no compressed blocks)."""
+    wk = [layer.self_attn.compress_k[...] for layer in self.layers]
+    wv = [layer.self_attn.compress_v[...] for layer in self.layers]
+    ck, cv = zip(*(nsa.extend_compressed(cache.ck[i], cache.cv[i], cache.k[i], cache.v[i], wk[i],
+                                         wv[i], start, count, self.cfg.nsa)
+                   for i in range(self.cfg.num_layers)))
+    return cache.replace(ck=tuple(ck), cv=tuple(cv))
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """LM head in float32: [..., H] -> [..., vocab]."""
