@@ -36,8 +36,10 @@ per-round object made from the draft rows of that round, so the masked target is
 decoder with a history-dependent mask; tests/test_sts.py builds it independently, one target token
 per step.
 
-Not built: STS-PD (sparse prefill of an appended turn), KV prefetch from host memory, draft trees,
-tensor parallelism.
+The target's KV cache can live in host memory, each round copying only the rows its
+verification reads (`jaxspec.engine.offload`, `Runner(..., kv_offload=...)`).
+
+Not built: STS-PD (sparse prefill of an appended turn), draft trees, tensor parallelism.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxspec.engine.offload import OffloadConfig
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.model.attention import check_backend, default_backend
 
@@ -18,7 +19,8 @@ class RunConfig:
   drafter: what drafts them (a `jaxspec.drafting` drafter; None for vanilla); backend: the
   attention implementation (`jaxspec.model.attention.BACKENDS`); cache_dtype: a dtype name;
   tree: a draft tree (`jaxspec.drafting.trees.Tree`) verified in one pass instead of a chain, with
-  gamma its depth (the most drafts a round accepts); None drafts a chain of gamma.
+  gamma its depth (the most drafts a round accepts); None drafts a chain of gamma; offload: where
+  the target's KV cache lives (`jaxspec.engine.offload`; default on the device).
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
@@ -28,6 +30,7 @@ class RunConfig:
   gamma: int = 0
   drafter: Any = None
   tree: Any = None
+  offload: OffloadConfig = OffloadConfig()
 
   def __post_init__(self):
     check_backend(self.backend)
@@ -40,6 +43,8 @@ class RunConfig:
     if self.tree is not None and (self.drafter is None or self.gamma != self.tree.depth):
       raise ValueError(f"a draft tree needs a drafter and gamma = its depth ({self.tree.depth}), "
                        f"got gamma {self.gamma}")
+    if self.offload.on_host and (self.drafter is None or self.tree is not None):
+      raise ValueError("an offloaded KV cache is verified in speculative rounds over a chain")
 
   @property
   def speculative(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.engine import offload
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.sampling import sample
 from jaxspec.engine.state import DecodeState, SpecState, append_tokens
@@ -31,7 +32,10 @@ def prefill(target: Transformer, draft: Transformer | None, prompts: jax.Array,
   last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
   key, sub = jax.random.split(key)
   first = sample(sub, target.logits(last), config.sampling)
-  state = DecodeState(cache=cache.replace(lengths=prompt_lens), last_token=first,
+  cache = cache.replace(lengths=prompt_lens)
+  if config.offload.on_host:   # built on the device, then moved (`jaxspec.engine.offload`)
+    cache = offload.to_host(cache)
+  state = DecodeState(cache=cache, last_token=first,
                       tokens=jnp.full((b, max_new_buffer), -1, jnp.int32),
                       num_new=jnp.zeros((b,), jnp.int32), max_new=max_new,
                       done=max_new <= 0, key=key)

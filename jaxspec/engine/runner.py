@@ -23,6 +23,10 @@ Tensor parallelism: `Runner(model, tp=N)` places the model (and the draft model)
 N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned by XLA, with the
 attention kernels under `shard_map`. A model loaded with `load_model(..., tp=N)` is already placed.
 
+KV offload: `Runner(..., method="sts", kv_offload="prefetch")` (or "on_demand") keeps the target's
+KV cache in host memory and copies each round's selected rows to the device
+(`jaxspec.engine.offload`); `generate` and `time_phases` run so, `serve` does not.
+
 Greedy speculative output equals vanilla greedy output exactly in float32 ('specattn' and 'sts'
 excepted: their output is the sparse-attention target's). In bfloat16 the
 verification pass (gamma + 1 rows) and the one-token step round differently, so texts can part
@@ -51,6 +55,7 @@ from jaxspec.drafting.self_drafting import SelfDrafter
 from jaxspec.drafting.trees import Tree
 from jaxspec.engine.batching import insert_slot
 from jaxspec.engine.config import RunConfig
+from jaxspec.engine.offload import OffloadConfig
 from jaxspec.engine.prefill import prefill
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.speculative import acceptance_summary, speculative_chunk, verify
@@ -126,15 +131,18 @@ class Runner:
   capacity), see `jaxspec.drafting.specattn.SpecAttnConfig`; sts_budget, sts_block, head_map:
   method 'sts''s k (prefix keys per target KV head and round, required), its page size P (1: token
   granularity) and its head map (`jaxspec.sts_map.load_map`, made for this pair and budget; None:
-  the proportional map), see `jaxspec.drafting.sts.STSConfig`; stop_ids: a sequence stops at its
-  first stop id (kept in the output), None = the model's end-of-sequence ids, () = none; backend:
-  'reference', 'pallas' or 'interpret' (default: pallas on a GPU); tree: draft a tree instead of
-  a chain, given as widths per depth ((2, 2, 1, 1): the root's 2 children, 2 each for them, then
-  1 and 1) or a `drafting.trees.Tree`, verified in one pass in `tree_order` ('bfs' or 'dfs');
-  gamma is then the tree's depth (default 6 for a chain); tp: tensor-parallel devices (both
-  models are placed on a mesh of the first tp devices; None: wherever the model already is, the
-  draft model joining it). Bad arguments raise a one-line
-  ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
+  the proportional map), see `jaxspec.drafting.sts.STSConfig`; kv_offload: where method 'sts'
+  keeps the target's KV cache: 'device', or host memory with each round's selected rows copied to
+  the device once the draft has picked them, verification waiting for every layer's rows
+  ('on_demand') or each layer for its own ('prefetch'); same output, no GPU timing yet (see
+  `jaxspec.engine.offload`); stop_ids: a sequence stops at its first stop id (kept in the
+  output), None = the model's end-of-sequence ids, () = none; backend: 'reference', 'pallas' or
+  'interpret' (default: pallas on a GPU); tree: draft a tree instead of a chain, given as widths
+  per depth ((2, 2, 1, 1): the root's 2 children, 2 each for them, then 1 and 1) or a
+  `drafting.trees.Tree`, verified in one pass in `tree_order` ('bfs' or 'dfs'); gamma is then the
+  tree's depth (default 6 for a chain); tp: tensor-parallel devices (both models are placed on a
+  mesh of the first tp devices; None: wherever the model already is, the draft model joining it).
+  Bad arguments raise a one-line ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
   def __init__(self, model: Transformer, *, method: str = "none", gamma: int | None = None,
@@ -145,7 +153,7 @@ class Runner:
                tree_order: str = "bfs", tp: int | None = None,
                top_p_attn: float = specattn.DEFAULT_TOP_P, layer_map: Sequence[int] | None = None,
                attn_cap: int | None = None, sts_budget: int | None = None, sts_block: int = 1,
-               head_map: "sts_map.HeadMap | None" = None):
+               head_map: "sts_map.HeadMap | None" = None, kv_offload: str = "device"):
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in DRAFT_MODEL_METHODS and draft_model is None:
@@ -169,6 +177,10 @@ class Runner:
     self.sts = None
     if method == "sts":
       self.sts = sts_config(model, draft_model, sts_budget, sts_block, head_map, tp)
+    self.offload = OffloadConfig(mode=kv_offload)
+    if self.offload.on_host and method != "sts":
+      raise ValueError(f"kv_offload={kv_offload!r} is built for method 'sts' (its verification "
+                       f"reads only the rows its draft picked), not {method!r}")
     self.method = method
     self.tree = requests.check_tree(tree, tree_order, method, gamma)
     if any(m is not None and m.cfg.nsa is not None for m in (model, draft_model)) and (
@@ -227,7 +239,7 @@ class Runner:
           score_kind=self.score_kind, backend=self.backend, mesh=self.mesh))
     return RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                      backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
-                     drafter=drafter, tree=self.tree)
+                     drafter=drafter, tree=self.tree, offload=self.offload)
 
   def _check_context(self, max_len: int) -> None:
     """The target's context is checked by `requests.check_request`; the draft model's here."""
@@ -387,6 +399,9 @@ class Runner:
     fetch the token buffer once for all of them (lengths are on the host already), before the
     refills, and count that time with the refills.
     """
+    if self.offload.on_host:
+      raise ValueError(f"serve refills slots of a device cache; kv_offload={self.offload.mode!r} "
+                       "is built for generate only")
     queue = collections.deque(range(len(prompts)))
     prefill_params, decode_device = self._prefill_placement() if disaggregate else (None, None)
     ahead = collections.deque()    # disaggregated: (request, its state on the prefill device)

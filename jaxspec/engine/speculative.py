@@ -15,7 +15,9 @@ not yet in the cache):
              drafts and picks the corrected or bonus token. cache.lengths += a_b + 1 (last_token
              and the accepted drafts; rejected entries are dropped by lengths, never copied), then
              `state.append_tokens` handles stops, budgets and the gamma + 1 free slots the next
-             round needs.
+             round needs. With the target's cache in host memory (`RunConfig.offload`, STS) the
+             pass runs over the plan's rows copied to the device, and the kept rows' K/V are
+             written back after acceptance (`jaxspec.engine.offload`).
   update     the drafter brings its state in line with what was accepted (the next round's KV
              selection; the draft model's cache).
 
@@ -39,7 +41,7 @@ import numpy as np
 
 from jaxspec.drafting import trees
 from jaxspec.drafting.tree_draft import SIBLINGS
-from jaxspec.engine import rejection, tree_acceptance
+from jaxspec.engine import offload, rejection, tree_acceptance
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.state import SpecState, append_tokens
 from jaxspec.model.attention import Dense, ScoreSpec
@@ -65,11 +67,18 @@ def verify(target: Transformer, state: SpecState, drafts: jax.Array,
   start = ds.cache.lengths
   tokens = jnp.concatenate([ds.last_token[:, None], drafts], axis=1)          # [B, gamma + 1]
   positions = start[:, None] + jnp.arange(config.gamma + 1, dtype=jnp.int32)[None]
-  hidden, cache, scores = target(tokens, positions, ds.cache, config.drafter.verify_plan(state),
-                                 config.backend)
+  plan = config.drafter.verify_plan(state)
+  if config.offload.on_host:   # the plan's rows copied from host memory (`offload`)
+    hidden, new_kv = offload.verify_pass(target, tokens, positions, ds.cache, plan, config.offload,
+                                         config.backend)
+    cache, scores = ds.cache, None
+  else:
+    hidden, cache, scores = target(tokens, positions, ds.cache, plan, config.backend)
   target_logits = target.logits(hidden)                                      # [B, gamma + 1, V]
   key, sub = jax.random.split(ds.key)
   verdict = rejection.verify_drafts(sub, drafts, draft_probs, target_logits, config.sampling)
+  if config.offload.on_host:   # the root and the accepted drafts of the active sequences
+    cache = offload.write_back(cache, new_kv, start, jnp.where(ds.done, 0, verdict.accepted + 1))
   # The emitted tokens: the accepted drafts, then the corrected/bonus token at index `accepted`.
   j = jnp.arange(config.gamma + 1)[None]
   new = jnp.where(j == verdict.accepted[:, None], verdict.next_token[:, None],
