@@ -26,6 +26,10 @@
 #               1.5B and the 0.5B at B = 1, 16, 64 x 4K-32K (BATCHES / CONTEXTS override), then
 #               batch 1 on PROMPTS (default 8) short prompts: HF static+compiled, dynamic, prompt
 #               lookup and assisted (0.5B) against jaxspec vanilla, vegas and draft (0.5B), greedy
+#   sts         STS's evaluation (benchmarks.sts; both models prepped, as for draft): the 1.5B's
+#               head maps for budgets 256 and 512 (jaxspec.sts_map, made once beside its
+#               checkpoint), then captured mass + perplexity and passkey retrieval as two runs
+#               (EVALS overrides: space-separated --evals values, default "mass,ppl passkey")
 # EOS is honoured (requests stop at the model's end-of-sequence tokens) and sampling is the
 # paper's (temperature 0.6, top-p 0.95, top-k 20). IGNORE_EOS=1 passes --ignore_eos to sweep,
 # long, short and cont (stress mode: every request runs to its token budget); those results say
@@ -96,6 +100,17 @@ for step in "$@"; do
         --batch=${BATCH:-128} --methods=${METHODS:-none,vegas:6,draft:2,draft:3,draft:4} \
         --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-short}_draft${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
+    sts)
+      T=/tmp/ckpt/qwen2.5-coder-1.5b D=/tmp/ckpt/qwen2.5-coder-0.5b maps=
+      for k in 256 512; do
+        m=$T/sts_map_k$k.qwen2_5-coder-0_5b.json
+        [ -f $m ] || python3 -m jaxspec.sts_map --target=$T --draft=$D --budget=$k 2>&1 | tail -1
+        maps=$maps${maps:+,}$m
+      done
+      for e in ${EVALS:-mass,ppl passkey}; do
+        python3 -m benchmarks.sts --target=$T --draft=$D --sts_map=$maps --evals=$e \
+          --out=$OUT/sts_${e//,/_}${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -40
+      done ;;
     peer)
       for entry in 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32:qwen05 \
                    cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046:qwen15; do

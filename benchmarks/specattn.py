@@ -1,4 +1,6 @@
 """SpecAttn's perplexity against KV reduction (the paper's main table), and the layer-map ablation.
+SpecAttn CHANGES the target's output (the target verifies under a sparse mask); this measures how
+much.
 
   python -m benchmarks.specattn --target=qwen2.5-coder-1.5b --draft=qwen2.5-coder-0.5b \
       --specattn_map=checkpoints/qwen2.5-coder-1.5b/specattn_map.qwen2_5-coder-0_5b.json
@@ -7,19 +9,22 @@
 Teacher forcing over --windows windows of --window tokens of frankenstein.txt ($JAXSPEC_DATA,
 else ../shared/data): the first --prefill_frac of a window is prefilled densely by both models,
 the rest is read in chunks of gamma + 1 tokens (a trailing part shorter than a chunk is not
-scored). For each chunk at positions n..n+gamma the draft model reads the chunk (one dense pass,
-collecting every row's attention weights); its rows of positions n..n+gamma-1, the rows that
-would have sampled the drafts, give SpecAttn's mask exactly as a decoding round makes it
-(`jaxspec.drafting.specattn.kept_union`); the target reads the chunk under that mask and is scored
-on the next tokens. Methods, all with the first two target layers dense:
+scored; `benchmarks.sparse_eval.teacher_forced`). For each chunk at positions n..n+gamma the draft
+model reads the chunk (one dense pass, collecting every row's attention weights); its rows of
+positions n..n+gamma-1, the rows that would have sampled the drafts, give SpecAttn's mask exactly
+as a decoding round makes it (`jaxspec.drafting.specattn.kept_union`); the target reads the chunk
+under that mask and is scored on the next tokens. Methods, all with the first two target layers
+dense:
   full          dense attention (the reference perplexity);
   specattn@p    for each p in --top_ps, with each map in --maps (kl: --specattn_map's file;
                 proportional; argmax: needs the map file's similarity matrix);
   streaming@p   StreamingLLM: 4 sink tokens + the most recent keys, as many per chunk as
                 specattn@p (kl map, or the first map given) kept on average over its sparse layers
-                in that chunk (the same KV reduction).
-Quest is not run: its page choice is per query token (`QuestPages` takes one new token a step),
-which chunked teacher forcing does not give it.
+                in that chunk (the same KV reduction);
+  quest@p       Quest at the same per-chunk budget: 16-token pages per KV head, scored by the
+                chunk's query rows (a page's largest q.k bound over them, per layer from its own
+                queries), the partial last page read densely and counted in the budget
+                (`benchmarks.sparse_eval.Quest`).
 
 KV reduction: 1 - (keys the target's attention reads) / (keys dense attention reads), summed over
 all target layers and chunks, each chunk's own gamma + 1 keys counted in both (the dense layers
@@ -28,27 +33,21 @@ Output: JSON (--out) and a PNG (perplexity against KV reduction, one line per me
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import functools
-import math
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
-from flax import nnx
 
+from benchmarks import sparse_eval as se
 from benchmarks.common import device_name, git_commit, write_json
-from benchmarks.workloads import BOOK
-from jaxspec.io.data import data_path
 from jaxspec import cli
 from jaxspec.drafting import specattn
-from jaxspec.model.attention import Dense, LayerMapped, Prefill, ScoreSpec
-from jaxspec.model.config import ModelConfig
-from jaxspec.model.kv_cache import KVCache
-from jaxspec.model.transformer import init_random
+from jaxspec.model.attention import LayerMapped, default_backend
+from jaxspec.pairmap import calibration_windows
 
 _TARGET = flags.DEFINE_string("target", None, "target model spec")
 _DRAFT = flags.DEFINE_string("draft", None, "draft model spec (same tokenizer)")
@@ -65,85 +64,30 @@ _GAMMA = flags.DEFINE_integer("gamma", 4, "chunks of gamma + 1 tokens")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and cache")
 _OUT = flags.DEFINE_string("out", "benchmarks/out/specattn.json", "JSON results (PNG beside)")
 
-TINY = (ModelConfig(arch="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
-                    num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16),
-        ModelConfig(arch="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
-                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16))
+
+@dataclasses.dataclass(frozen=True)
+class SpecAttn(se.Method):
+  """The draft reads the chunk; its rows' top-p sets, united, are the sparse layers' lists."""
+  uses_draft = True
+  spec: specattn.SpecAttnConfig | None = None
+
+  def plan(self, target, draft, tcache, dcache, tokens, pos, budget, backend):
+    dcache, rows = se.draft_rows(draft, dcache, tokens, pos, "mean")   # [gamma, Ld, B, S]
+    rows = rows[:, jnp.asarray(self.spec.draft_layers)]
+    n = pos[:, 0]
+    idx, counts = specattn.kept_union(rows, n, self.spec, self.spec.k_max(tcache.capacity))
+    return LayerMapped(indices=idx, counts=counts, tail_start=n, slots=self.spec.slots), dcache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdefs", "mode", "spec", "gamma"))
-def _chunk(graphdefs, params, tcache, dcache, tokens, labels, budget, *, mode, spec, gamma):
-  """One chunk: tokens [B, gamma + 1] at positions tcache.lengths.., labels the tokens after them.
-  Returns (caches with lengths moved on, NLL summed over the chunk [B], keys read per sparse
-  layer [U, B] (-1: dense), and the kept count per draft layer in use)."""
-  target = nnx.merge(graphdefs[0], params[0])
-  draft = nnx.merge(graphdefs[1], params[1])
-  n = tcache.lengths
-  t = gamma + 1
-  pos = n[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  b = tokens.shape[0]
-  u = len(spec.draft_layers)
-  counts = jnp.zeros((u, b), jnp.int32)
-  if mode == "full":
-    plan = Dense()
-  elif mode == "specattn":
-    _, dcache, scores = draft(tokens, pos, dcache, Dense(scores=ScoreSpec("weights", per_row=True)))
-    rows = jnp.moveaxis(scores[:, :, :gamma], 2, 0)[:, jnp.asarray(spec.draft_layers)]
-    idx, counts = specattn.kept_union(rows, n, spec, spec.k_max(tcache.capacity))
-    plan = LayerMapped(indices=idx, counts=counts, tail_start=n, slots=spec.slots)
-  else:   # streaming: 4 sinks + the most recent (budget - 4) keys, one list for every sparse layer
-    k = jnp.minimum(budget, n)
-    sinks = jnp.minimum(4, k)
-    idx = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (1, b, 4))
-    plan = LayerMapped(indices=idx, counts=sinks[None], tail_start=jnp.maximum(n - (k - sinks), sinks),
-                       slots=tuple(-1 if s < 0 else 0 for s in spec.slots))
-    counts = jnp.broadcast_to(k, (u, b))
-  hidden, tcache, _ = target(tokens, pos, tcache, plan)
-  logp = jax.nn.log_softmax(target.logits(hidden), axis=-1)
-  nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0].sum(-1)
-  return tcache.replace(lengths=n + t), dcache.replace(lengths=n + t), nll, counts
-
-
-def evaluate(target, draft, windows: np.ndarray, *, prefill: int, gamma: int, mode: str,
-             spec: specattn.SpecAttnConfig, budgets: list[np.ndarray] | None = None,
-             dtype=jnp.float32) -> dict:
-  """Teacher-forced NLL and KV reads of `mode` ('full', 'specattn', 'streaming') over windows
-  [B, W]; `budgets`: streaming's keys per chunk [B] (from a specattn run). Returns perplexity,
-  kv_reduction, scored tokens and, for specattn, the per-chunk mean kept counts [B]."""
-  b, w = windows.shape
-  cap = -(-w // 128) * 128
-  graphdefs, params = zip(nnx.split(target), nnx.split(draft))
-  tok = jnp.asarray(windows, jnp.int32)
-  tcache = KVCache.create(target.cfg, b, cap, dtype)
-  dcache = KVCache.create(draft.cfg, b, cap, dtype)
-  pos = jnp.broadcast_to(jnp.arange(prefill, dtype=jnp.int32), (b, prefill))
-  _, tcache, _ = target(tok[:, :prefill], pos, tcache, Prefill())
-  _, dcache, _ = draft(tok[:, :prefill], pos, dcache, Prefill())
-  lengths = jnp.full((b,), prefill, jnp.int32)
-  tcache, dcache = tcache.replace(lengths=lengths), dcache.replace(lengths=lengths)
-  t = gamma + 1
-  n_layers = target.cfg.num_layers
-  sparse_layers = sum(s >= 0 for s in spec.slots)
-  nll, scored, reads, dense_reads, kept = 0.0, 0, 0.0, 0.0, []
-  for c, start in enumerate(range(prefill, w - t, t)):
-    budget = jnp.asarray(budgets[c] if budgets is not None else np.zeros(b), jnp.int32)
-    tcache, dcache, chunk_nll, counts = _chunk(
-        graphdefs, params, tcache, dcache, tok[:, start:start + t], tok[:, start + 1:start + t + 1],
-        budget, mode=mode, spec=spec, gamma=gamma)
-    nll += float(chunk_nll.sum())
-    scored += b * t
-    full = (start + t) * b
-    dense_reads += n_layers * full
-    if mode == "full":
-      reads += n_layers * full
-      continue
-    per_layer = np.asarray(counts)[[max(s, 0) for s in spec.slots]]        # [L, B]
-    sparse = np.array([s >= 0 for s in spec.slots])
-    reads += (n_layers - sparse_layers) * full + float((per_layer[sparse] + t).sum())
-    kept.append(per_layer[sparse].mean(axis=0).round().astype(np.int32))
-  out = dict(perplexity=math.exp(nll / scored), kv_reduction=1 - reads / dense_reads,
-             scored_tokens=scored)
-  return out, kept
+def evaluate(target, draft, windows: np.ndarray, *, prefill: int, gamma: int, method: se.Method,
+             budgets: list[np.ndarray] | None = None, dtype=jnp.float32, desc: str | None = None
+             ) -> tuple[dict, list[np.ndarray]]:
+  """Teacher-forced perplexity and KV reduction of `method` over windows [B, W] (`budgets`: per
+  chunk the prefix keys [B] streaming and Quest may read). Returns (perplexity, kv_reduction,
+  scored tokens; per chunk the prefix keys each layer read [L, B])."""
+  return se.teacher_forced(target, draft, windows, prefill_len=prefill, gamma=gamma, method=method,
+                           budgets=None if budgets is None else budgets.__getitem__, dtype=dtype,
+                           backend=default_backend(), desc=desc)
 
 
 def _maps(target, draft) -> dict[str, tuple[int, ...]]:
@@ -165,22 +109,28 @@ def _maps(target, draft) -> dict[str, tuple[int, ...]]:
 
 def run(target, draft, windows: np.ndarray, *, top_ps, maps: dict, prefill: int, gamma: int,
         dtype=jnp.float32) -> list[dict]:
-  """Every method's row: full, specattn@p per map, streaming@p at specattn's reduction."""
-  any_map = next(iter(maps.values()))
-  base = specattn.SpecAttnConfig(layers=any_map)
-  full, _ = evaluate(target, draft, windows, prefill=prefill, gamma=gamma, mode="full", spec=base,
-                     dtype=dtype)
+  """Every method's row: full, specattn@p per map, streaming@p and quest@p at specattn's budget."""
+  first = next(iter(maps))
+  dense = specattn.DENSE_LAYERS
+  capacity = se.capacity_for(windows.shape[1])
+  kw = dict(prefill=prefill, gamma=gamma, dtype=dtype)
+  full, _ = evaluate(target, draft, windows, method=se.Method(), desc="full", **kw)
   rows = [dict(method="full", **full)]
   for p in top_ps:
     for name, layers in maps.items():
       spec = specattn.SpecAttnConfig(layers=layers, top_p=p)
-      res, kept = evaluate(target, draft, windows, prefill=prefill, gamma=gamma, mode="specattn",
-                           spec=spec, dtype=dtype)
+      res, kept = evaluate(target, draft, windows, method=SpecAttn(spec=spec),
+                           desc=f"specattn@{p} {name}", **kw)
       rows.append(dict(method="specattn", top_p=p, map=name, **res))
-      if name == next(iter(maps)):
-        res, _ = evaluate(target, draft, windows, prefill=prefill, gamma=gamma, mode="streaming",
-                          spec=spec, budgets=kept, dtype=dtype)
-        rows.append(dict(method="streaming", top_p=p, map=name, **res))
+      if name != first:
+        continue
+      sparse = np.asarray(spec.slots) >= 0
+      budgets = [k[sparse].mean(axis=0).round().astype(np.int32) for k in kept]
+      for method, label in ((se.Streaming(dense_layers=dense), "streaming"),
+                            (se.Quest(dense_layers=dense, max_pages=capacity // se.PAGE), "quest")):
+        res, _ = evaluate(target, draft, windows, method=method, budgets=budgets,
+                          desc=f"{label}@{p}", **kw)
+        rows.append(dict(method=label, top_p=p, map=name, **res))
   for r in rows:
     r["ppl_increase"] = r["perplexity"] / full["perplexity"] - 1
   return rows
@@ -212,26 +162,13 @@ def main(argv):
   cli.quiet_logging()
   try:
     top_ps = [specattn.check_top_p(float(p)) for p in _TOP_PS.value]
-    if _RANDOM_PAIR.value == (_TARGET.value is not None or _DRAFT.value is not None):
-      raise ValueError("give --target and --draft, or --random_pair")
     if _GAMMA.value < 1 or not 0 < _PREFILL.value < 1:
       raise ValueError("--gamma must be >= 1 and --prefill_frac in (0, 1)")
     dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
-    with open(data_path(BOOK), encoding="utf-8-sig") as f:
-      text = f.read()
-    if _RANDOM_PAIR.value:
-      target, draft = (init_random(c, dtype=dtype, seed=i) for i, c in enumerate(TINY))
-      tokens = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
-      names = ("random tiny target", "random tiny draft")
-    else:
-      from jaxspec.io.loading import check_draft_pair, load_model
-      t, d = load_model(_TARGET.value, dtype=dtype), load_model(_DRAFT.value, dtype=dtype)
-      check_draft_pair(t, d, _TARGET.value, _DRAFT.value)
-      target, draft = t.model, d.model
-      tokens = np.asarray(t.tokenizer.encode(text), np.int32)
-      names = (_TARGET.value, _DRAFT.value)
-    from jaxspec.specattn_map import calibration_windows
-    windows = calibration_windows(tokens, _WINDOWS.value, _WINDOW.value)
+    pair = se.load_pair(_TARGET.value, _DRAFT.value, _RANDOM_PAIR.value, dtype,
+                        random_flag="--random_pair")
+    target, draft, names = pair.target, pair.draft, pair.names
+    windows = calibration_windows(se.book_tokens(pair.tokenizer), _WINDOWS.value, _WINDOW.value)
     maps = _maps(target, draft)
     if not maps:
       raise ValueError("no layer map to run (--maps)")

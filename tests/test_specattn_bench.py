@@ -1,4 +1,5 @@
-"""benchmarks.specattn end to end on a tiny random pair (a smoke run: the numbers mean nothing)."""
+"""benchmarks.specattn end to end on a tiny random pair (a smoke run: the numbers mean nothing),
+Quest included."""
 import json
 import subprocess
 import sys
@@ -12,11 +13,14 @@ def test_specattn_benchmark_smoke(tmp_path):
                        timeout=600)
   assert res.returncode == 0, res.stderr[-2000:]
   rows = json.loads(out.read_text())["results"]
-  assert [r["method"] for r in rows] == ["full", "specattn", "streaming"]
-  full, spec, stream = rows
+  assert [r["method"] for r in rows] == ["full", "specattn", "streaming", "quest"]
+  full, spec, stream, quest = rows
   assert full["kv_reduction"] == 0 and full["ppl_increase"] == 0
   assert 0 <= spec["kv_reduction"] < 1 and spec["perplexity"] > 1
   # StreamingLLM runs at SpecAttn's budget per chunk: the same reduction, up to rounding.
   assert abs(stream["kv_reduction"] - spec["kv_reduction"]) < 0.02
+  # Quest at the same budget: whole pages, the partial last one counted in, so it reads no more.
+  assert spec["kv_reduction"] - 0.02 <= quest["kv_reduction"] < 1 and quest["perplexity"] > 1
   assert full["scored_tokens"] == spec["scored_tokens"] == stream["scored_tokens"] > 0
+  assert quest["scored_tokens"] == full["scored_tokens"]
   assert (tmp_path / "specattn.png").stat().st_size > 0

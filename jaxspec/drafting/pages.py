@@ -7,6 +7,7 @@ after the selection point) is attended densely as the tail (see `sparse_attentio
   page_summaries  channel-wise min / max of the keys of every page (Quest's metadata)
   quest_scores    Quest's upper bound of q.k over a page, from those summaries
   top_pages       the best `n` of the first `n_valid` pages, as token positions
+  quest_select    Quest's choice for T query rows: a page's score is its largest bound over them
 """
 from __future__ import annotations
 
@@ -62,6 +63,21 @@ def top_pages(scores: jax.Array, n_valid: jax.Array, n_select: jax.Array, max_pa
   tokens = page_ids[..., :, None] * page_size + jnp.arange(page_size)
   tokens = tokens.reshape(*page_ids.shape[:-1], max_pages * page_size)
   return tokens.astype(jnp.int32), count * page_size
+
+
+def quest_select(q: jax.Array, page_min: jax.Array, page_max: jax.Array, tail_start: jax.Array,
+                 n_select: jax.Array, max_pages: int, page_size: int = PAGE_SIZE
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Quest's pages for T query rows sharing one selection. q [B, T, Hq, D], page_min/max
+  [B, P, Hkv, D], tail_start [B] (the full pages before it are the candidates), n_select [B] ->
+  (token positions [B, Hkv, max_pages * page_size], counts [B, Hkv]) as `top_pages`.
+
+  A page's score is its largest `quest_scores` bound over the T rows (and a KV group's query
+  heads): a bound of every row's q.k. With T = 1 (decoding) this is Quest itself; T = gamma + 1 is
+  a verification chunk (`benchmarks.sts`)."""
+  scores = jax.vmap(quest_scores, in_axes=(1, None, None))(q, page_min, page_max)   # [T, B, Hkv, P]
+  n_full = (tail_start // page_size)[:, None]
+  return top_pages(jnp.max(scores, axis=0), n_full, n_select[:, None], max_pages, page_size)
 
 
 def pages_for_budget(budget_tokens: jax.Array, page_size: int = PAGE_SIZE) -> jax.Array:

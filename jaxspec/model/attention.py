@@ -17,8 +17,9 @@ Plans:
                optionally collecting criticality scores (`ScoreSpec`).
   Sparse       T new queries against selected cache positions plus a dense tail (self-drafting);
                the policies' selection *is* this plan.
-  QuestPages   one new query against the Quest-selected pages plus the dense tail: the page scores
-               are computed here from the current query and per-page key summaries.
+  QuestPages   new queries against the Quest-selected pages plus the dense tail: the page scores
+               are computed here from the current query rows and per-page key summaries (one
+               new token a step when decoding; T rows share one choice).
   LayerMapped  per layer, Dense or one of a few shared `Sparse` selections (SpecAttn's
                verification: target layers reading the same draft layer share its selection;
                STS's: one selection per layer, one index list per KV head).
@@ -282,14 +283,12 @@ def _attend(q, k_new, v_new, k_cache, v_cache, lengths, plan: Plan, backend: str
 
 def _quest_pages(q: jax.Array, k_cache: jax.Array, plan: QuestPages) -> Sparse:
   """Quest, per KV head: the plan's number of pages with the largest q.k bound among the full
-  pages before tail_start, as token positions [B, Hkv, max_pages * page_size] + counts [B, Hkv]."""
-  if q.shape[1] != 1:
-    raise ValueError("quest attention scores pages per query: one new token per step, got "
-                     f"T={q.shape[1]}")
+  pages before tail_start, as token positions [B, Hkv, max_pages * page_size] + counts [B, Hkv].
+  One new token per step when decoding; T rows (a verification chunk) share one choice, a page
+  scored by its largest bound over them (`pages.quest_select`)."""
   page_size = k_cache.shape[1] // plan.page_min.shape[1]
-  scores = _pages.quest_scores(q[:, 0], plan.page_min, plan.page_max)       # [B, Hkv, P]
-  n_full = (plan.tail_start // page_size)[:, None]
-  indices, counts = _pages.top_pages(scores, n_full, plan.pages[:, None], plan.max_pages, page_size)
+  indices, counts = _pages.quest_select(q, plan.page_min, plan.page_max, plan.tail_start,
+                                        plan.pages, plan.max_pages, page_size)
   return Sparse(indices=indices, counts=counts, tail_start=plan.tail_start)
 
 
