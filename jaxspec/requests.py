@@ -27,26 +27,27 @@ def check_count(name: str, value: Any, minimum: int = 1) -> int:
   return int(value)
 
 
-def check_prompts(prompts: Any, vocab_size: int | None = None) -> None:
-  """Prompts are a non-empty list of non-empty lists of integer token ids in [0, vocab_size)."""
+def check_prompts(prompts: Any, vocab_size: int | None = None, name: str = "prompts") -> None:
+  """Prompts (or appended turns: `name`) are a non-empty list of non-empty lists of integer token
+  ids in [0, vocab_size)."""
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
-    raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    raise ValueError(f"{name} must be a list of token-id lists, got {type(prompts).__name__}")
   if len(prompts) == 0:
-    raise ValueError("prompts is empty: give at least one prompt")
+    raise ValueError(f"{name} is empty: give at least one token-id list")
   for i, p in enumerate(prompts):
     if isinstance(p, (str, bytes)):
-      raise ValueError(f"prompts[{i}] is a string; encode it with the tokenizer first")
+      raise ValueError(f"{name}[{i}] is a string; encode it with the tokenizer first")
     ids = np.asarray(p)
     if ids.ndim != 1 or ids.size == 0:
-      raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got shape {ids.shape}")
+      raise ValueError(f"{name}[{i}] must be a non-empty list of token ids, got shape {ids.shape}")
     if ids.dtype.kind not in "iu":   # floats, bools and objects are not token ids
-      raise ValueError(f"prompts[{i}] must hold integer token ids, got {ids.dtype} values "
+      raise ValueError(f"{name}[{i}] must hold integer token ids, got {ids.dtype} values "
                        f"such as {ids.flat[0]!r}")
     bad = (ids < 0) | (ids >= vocab_size) if vocab_size is not None else ids < 0
     if bad.any():
       j = int(np.argmax(bad))
       limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-      raise ValueError(f"prompts[{i}][{j}] = {int(ids[j])} is not a token id of this model "
+      raise ValueError(f"{name}[{i}][{j}] = {int(ids[j])} is not a token id of this model "
                        f"(ids are {limit})")
 
 

@@ -91,7 +91,10 @@ class DraftModelDrafter:
   def update(self, state: SpecState, verified: jax.Array, scores: None, first_row: jax.Array,
              accepted: jax.Array, last_node: jax.Array, config: RunConfig) -> SpecState:
     prev = jnp.take_along_axis(verified, accepted[:, None], axis=1)[:, 0]
-    dm = state.drafter.replace(prev_token=prev)
+    # A finished sequence rides along without moving: its prev_token stays the token at n - 1
+    # (an appended turn, `jaxspec.drafting.sts_prefill`, continues from it).
+    moved = state.decode.cache.lengths != first_row
+    dm = state.drafter.replace(prev_token=jnp.where(moved, prev, state.drafter.prev_token))
     tree = config.tree
     if tree is not None:   # the draft cache holds the tree breadth-first: compact that layout
       bfs, last = tree.flatten("bfs"), jnp.asarray(tree.bfs_index)[last_node]

@@ -39,7 +39,9 @@ per step.
 The target's KV cache can live in host memory, each round copying only the rows its
 verification reads (`jaxspec.engine.offload`, `Runner(..., kv_offload=...)`).
 
-Not built: STS-PD (sparse prefill of an appended turn), draft trees, tensor parallelism.
+STS-PD, the sparse prefill of an appended turn, is `jaxspec.drafting.sts_prefill` (`Runner.extend`);
+its selection is `head_select`, `head_union`'s core with each row's key range given.
+Not built: draft trees, tensor parallelism.
 """
 from __future__ import annotations
 
@@ -123,16 +125,25 @@ def head_union(rows: jax.Array, start: jax.Array, spec: STSConfig, capacity: int
   [0, start + s] -> (indices [Lt, B, Hkv, K] ascending, counts [Lt, B, Hkv]), K = `k_max`: per
   target layer and KV head, its mapped draft heads' per-row top-k pages, united over the rows (and
   over a KV group's query heads at 'q'), below start, capped at k // P pages, as token positions."""
+  seen = start[None] + jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None] + 1   # keys per row
+  return head_select(rows, seen, start, spec, capacity)
+
+
+def head_select(rows: jax.Array, seen: jax.Array, limit: jax.Array, spec: STSConfig,
+                capacity: int) -> tuple[jax.Array, jax.Array]:
+  """`head_union` with each row's range given: rows [R, Ld, B, Hd, S], seen [R, B] (row r ranks
+  the keys [0, seen[r, b]) only, its weights past them taken as 0; 0 leaves the row out), limit
+  [B] (the positions kept: those below it) -> (indices [Lt, B, Hkv, K], counts [Lt, B, Hkv])."""
   g, ld, b, hd, s = rows.shape
   p, kp = spec.block, spec.pages(capacity)
   n_pages = -(-s // p)
   used = tuple(sorted(set(spec.table)))       # each draft head's top-k is computed once
   w = rows.astype(jnp.float32).swapaxes(2, 3).reshape(g, ld * hd, b, s)[:, jnp.asarray(used)]
-  w = jnp.where(jnp.isfinite(w) & (w > 0), w, 0.0)
+  in_range = jnp.arange(s) < seen[:, None, :, None]
+  w = jnp.where(jnp.isfinite(w) & (w > 0) & in_range, w, 0.0)
   pw = jnp.pad(w, ((0, 0),) * 3 + ((0, n_pages * p - s),)).reshape(g, len(used), b, n_pages, p)
   pw = pw.sum(-1)                                                               # [g, N, B, Pn]
-  seen = start[None, None] + jnp.arange(g, dtype=jnp.int32)[:, None, None] + 1  # keys per row
-  page_len = jnp.broadcast_to(-(-seen // p), (g, len(used), b)).reshape(-1)
+  page_len = jnp.broadcast_to(-(-seen[:, None] // p), (g, len(used), b)).reshape(-1)
   take = jnp.minimum(page_len, kp)
   idx = _topk.topk_select(pw.reshape(-1, n_pages), page_len, take, k_max=kp)
   keep = row_sets(idx, take, n_pages).reshape(g, len(used), b, n_pages)
@@ -144,11 +155,11 @@ def head_union(rows: jax.Array, start: jax.Array, spec: STSConfig, capacity: int
     return x[:, t].reshape(g, units, grp, b, n_pages).swapaxes(1, 2).reshape(
         g * grp, units, b, n_pages)
 
-  pidx, pcnt = capped_union(per_unit(keep), per_unit(pw), -(-start // p), kp)  # [U*Hkv, B, kp]
+  pidx, pcnt = capped_union(per_unit(keep), per_unit(pw), -(-limit // p), kp)  # [U*Hkv, B, kp]
   tokens = (pidx[..., None] * p + jnp.arange(p)).reshape(units, b, kp * p)
-  # Pages ascend, so the positions below start form a prefix (only the last page can cross it).
+  # Pages ascend, so the positions below limit form a prefix (only the last page can cross it).
   in_list = jnp.broadcast_to(jnp.arange(kp)[:, None] < pcnt[..., None, None], (units, b, kp, p))
-  valid = in_list.reshape(units, b, kp * p) & (tokens < start[:, None])
+  valid = in_list.reshape(units, b, kp * p) & (tokens < limit[:, None])
   k = spec.k_max(capacity)
   idx = jnp.where(valid, tokens, 0)[..., :k]
   cnt = valid.sum(-1, dtype=jnp.int32)

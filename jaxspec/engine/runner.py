@@ -10,6 +10,8 @@ avoid compiling again.
                            with freshly prefilled requests (`batching.insert_slot`); with
                            `disaggregate`, prefilled ahead on a second device while decoding goes on
   time_phases(state, ...)  draft / verify / update timed separately (speculative methods)
+  start / step / extend    one session by hand: prefill, decode chunks, and (method 'sts') a new
+                           turn appended with a sparse prefill (`jaxspec.drafting.sts_prefill`)
 
 Methods (`METHODS`): 'none' is vanilla decoding, its compiled step the plain one-token step (the
 baseline every speedup is measured against); 'draft' drafts with a separate draft model;
@@ -49,7 +51,7 @@ from tqdm import tqdm
 
 from jaxspec import requests
 from jaxspec.drafting import policies
-from jaxspec.drafting import specattn, sts
+from jaxspec.drafting import specattn, sts, sts_prefill
 from jaxspec.drafting.draft_model import DraftModelDrafter
 from jaxspec.drafting.self_drafting import SelfDrafter
 from jaxspec.drafting.trees import Tree
@@ -59,7 +61,7 @@ from jaxspec.engine.offload import OffloadConfig
 from jaxspec.engine.prefill import prefill
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.speculative import acceptance_summary, speculative_chunk, verify
-from jaxspec.engine.state import SpecState, capacity_for, decode_state, make_batch
+from jaxspec.engine.state import SpecState, bucket, capacity_for, decode_state, make_batch
 from jaxspec.engine.vanilla import decode_chunk
 from jaxspec.model import sharding
 from jaxspec.model.attention import check_backend, default_backend
@@ -117,6 +119,14 @@ def _chunk(graphdefs, params, state, *, steps, config):
   if config.speculative:
     return speculative_chunk(target, draft, state, steps, config)
   return decode_chunk(target, state, steps, config)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdefs", "config", "chunk", "max_new_buffer"),
+                   donate_argnames=("state",))
+def _extend(graphdefs, params, state, turns, turn_lens, max_new, *, config, chunk, max_new_buffer):
+  target, draft = _merge(graphdefs, params)
+  return sts_prefill.extend(target, draft, state, turns, turn_lens, max_new, config, chunk,
+                            max_new_buffer)
 
 
 class Runner:
@@ -290,6 +300,54 @@ class Runner:
     run, seconds = self._compile(_chunk, self._params, state, steps=steps,
                                  config=self.config(capacity))
     return run(self._params, state), seconds
+
+  def extend(self, state: SpecState, turns: Sequence[Sequence[int]],
+             max_new_tokens: int | Sequence[int], *, chunk: int = 1) -> tuple[SpecState, float]:
+    """STS-PD, method 'sts' only: append one turn per sequence (a tool output, a user message)
+    to a session's state (from `start` or `step`; donated) with a sparse prefill of the target
+    (`jaxspec.drafting.sts_prefill`), and return (the state that decodes the reply to it, seconds
+    spent compiling). Each sequence so far, its last sampled token included, stays in the caches
+    as it is; the reply's first token is sampled from the turn's last row and the output buffer
+    restarts empty, `max_new_tokens` (one, or one per sequence) allowed: read the previous reply
+    from the state first. `chunk`: C, the turn rows sharing one per-head selection (1: each row its
+    own). Like STS decoding it CHANGES the output (the masked target's). The cache does not grow:
+    `start` with a max_len that holds the whole session."""
+    if self.method != "sts":
+      raise ValueError(f"extend prefills a turn sparsely for method 'sts'; method {self.method!r} "
+                       "has no sparse prefill")
+    chunk = sts_prefill.check_chunk(chunk)
+    ds = state.decode
+    b, capacity = ds.cache.batch, ds.cache.capacity
+    requests.check_prompts(turns, self.model.cfg.vocab_size, name="turns")
+    if len(turns) != b:
+      raise ValueError(f"{len(turns)} turns for a session of {b} sequences: give one per sequence")
+    requests.check_max_new_tokens(max_new_tokens, b)
+    lens = np.asarray([len(t) for t in turns], np.int32)
+    n = np.asarray(jax.device_get(ds.cache.lengths))
+    need = int((n + lens + 1).max()) + self.spare     # the turn, last_token, a round's rows
+    if need > capacity:
+      raise ValueError(f"the turns need {need} cache slots and the session has {capacity}: start "
+                       "it with a larger max_len")
+    # Rows: last_token + the turn, in whole chunks, their count bucketed (fewer compiles); the
+    # padded rows must lie inside the cache too.
+    steps = -(-(int(lens.max()) + 1) // chunk)
+    if int(n.max()) + bucket(steps, 1) * chunk <= capacity:
+      steps = bucket(steps, 1)
+    if int(n.max()) + steps * chunk > capacity:
+      raise ValueError(f"the turns' rows padded to chunks of {chunk} run past the cache "
+                       f"({capacity} slots): use a smaller chunk or a larger max_len")
+    width = steps * chunk - 1
+    padded = np.zeros((b, width), np.int32)
+    for i, t in enumerate(turns):
+      padded[i, :len(t)] = t
+    max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,))
+    buffer = ds.tokens.shape[1]
+    if int(max_new.max()) > buffer:
+      buffer = bucket(int(max_new.max()), 1)
+    args = (self._params, state, jnp.asarray(padded), jnp.asarray(lens), jnp.asarray(max_new))
+    run, seconds = self._compile(_extend, *args, config=self.config(capacity), chunk=chunk,
+                                 max_new_buffer=buffer)
+    return run(*args), seconds
 
   # -- a batch -----------------------------------------------------------------------------------
 
