@@ -53,6 +53,42 @@ def pytest_unconfigure(config):
     os.environ.pop(_XLA_CACHE_ENV, None)
 
 
+def _release_compiled_code() -> None:
+  import gc
+  import jax
+  jax.clear_caches()
+  gc.collect()
+
+
+def _memory_maps() -> int:
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:    # not Linux: no map limit to watch
+    return 0
+
+
+# XLA:CPU keeps every executable's machine code mapped until its program is released, about 3
+# memory maps each. A worker that compiles for half an hour reaches the kernel's limit of 65530
+# maps (vm.max_map_count) and dies inside a compile (a segfault or abort in LLVM), so JAX's caches
+# of compiled programs are dropped after each file, and after any test that leaves the process
+# past a third of the limit. The persistent XLA cache keeps the recompiles cheap.
+_MAPS_HIGH = 20000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_code_per_file():
+  yield
+  _release_compiled_code()
+
+
+@pytest.fixture(autouse=True)
+def release_compiled_code_when_maps_run_high():
+  yield
+  if _memory_maps() > _MAPS_HIGH:
+    _release_compiled_code()
+
+
 @pytest.fixture(scope="session")
 def weights_smollm2_gguf():
   """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF, fetched once into the jaxspec cache.
