@@ -51,7 +51,7 @@ from jaxspec.io.data import data_path
 from jaxspec.model.attention import Dense, LayerMapped, Prefill, QuestPages, ScoreSpec
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.kv_cache import KVCache
-from jaxspec.model.rope import apply_rope, rope_tables
+from jaxspec.model.rope import rope_tables
 from jaxspec.model.transformer import Transformer, init_random
 
 PAGE = pages.PAGE_SIZE
@@ -124,8 +124,8 @@ def book_tokens(tokenizer) -> np.ndarray:
 def forward_with_queries(model: Transformer, tokens: jax.Array, positions: jax.Array,
                          cache: KVCache, plan, backend: str):
   """`Transformer.__call__` that also returns every layer's queries after RoPE [L, B, T, Hq, D].
-  The same layers in the same order; the query projection is computed once more beside the layer
-  (tests/test_sts_bench.py checks both against the model)."""
+  The same layers in the same order; the queries are projected once more beside the layer
+  (`Attention.qkv`; tests/test_sts_bench.py checks both against the model)."""
   cfg = model.cfg
   b, t = tokens.shape
   slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
@@ -133,11 +133,7 @@ def forward_with_queries(model: Transformer, tokens: jax.Array, positions: jax.A
   x = model.embed_tokens(tokens)
   ks, vs, scores, qs = [], [], [], []
   for i, layer in enumerate(model.layers):
-    attn = layer.self_attn
-    q = attn.q_proj(layer.input_layernorm(x)).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    if cfg.qk_norm:
-      q = attn.q_norm(q)
-    qs.append(apply_rope(q, cos, sin))
+    qs.append(layer.self_attn.qkv(layer.input_layernorm(x), cos, sin, model.mesh)[0])
     x, k, v, s = layer(x, cos, sin, slots, cache.k[i], cache.v[i], cache.lengths,
                        plan.for_layer(i), backend, model.mesh)
     ks.append(k)

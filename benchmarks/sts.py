@@ -443,6 +443,16 @@ def _budget_axis(ax, budgets) -> None:
   ax.minorticks_off()
 
 
+def _against_budget(ax, rows: list[dict], value: str) -> None:
+  """One line per method of `value` against the budget, dense as a dashed level."""
+  for name in dict.fromkeys(r["method"] for r in rows if r["budget"] is not None):
+    pts = sorted((r["budget"], r[value]) for r in rows if r["method"] == name)
+    ax.plot(*zip(*pts), marker="o", label=name)
+  dense = next(r for r in rows if r["method"] == "dense")
+  ax.axhline(dense[value], color="k", ls="--", label="dense")
+  _budget_axis(ax, [r["budget"] for r in rows])
+
+
 def plot_mass(rows: list[dict], path: str, title: str) -> None:
   plt = _plt()
   budgets = sorted({r["budget"] for r in rows})
@@ -464,12 +474,7 @@ def plot_mass(rows: list[dict], path: str, title: str) -> None:
 def plot_ppl(rows: list[dict], path: str, title: str) -> None:
   plt = _plt()
   fig, ax = plt.subplots(figsize=(6, 4))
-  for name in dict.fromkeys(r["method"] for r in rows if r["budget"] is not None):
-    pts = sorted((r["budget"], r["perplexity"]) for r in rows if r["method"] == name)
-    ax.plot(*zip(*pts), marker="o", label=name)
-  dense = next(r for r in rows if r["method"] == "dense")
-  ax.axhline(dense["perplexity"], color="k", ls="--", label="dense")
-  _budget_axis(ax, [r["budget"] for r in rows])
+  _against_budget(ax, rows, "perplexity")
   ax.set_yscale("log")
   ax.set_xlabel("budget (prefix keys per layer and KV head)")
   ax.set_ylabel("perplexity")
@@ -486,12 +491,7 @@ def plot_passkey(rows: list[dict], path: str, title: str) -> None:
   fig, axes = plt.subplots(1, len(contexts), figsize=(4.5 * len(contexts), 3.6), squeeze=False)
   for ax, c in zip(axes[0], contexts):
     here = [r for r in rows if r["context"] == c]
-    for name in dict.fromkeys(r["method"] for r in here if r["budget"] is not None):
-      pts = sorted((r["budget"], r["accuracy"]) for r in here if r["method"] == name)
-      ax.plot(*zip(*pts), marker="o", label=name)
-    dense = next(r for r in here if r["method"] == "dense")
-    ax.axhline(dense["accuracy"], color="k", ls="--", label="dense")
-    _budget_axis(ax, [r["budget"] for r in here])
+    _against_budget(ax, here, "accuracy")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title(f"{c} tokens", fontsize=8)
     ax.set_xlabel("budget")

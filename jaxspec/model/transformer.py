@@ -72,7 +72,9 @@ class Attention(nnx.Module):
       self.compress_k = nnx.Param(init(rngs.params(), shape, param_dtype))
       self.compress_v = nnx.Param(init(rngs.params(), shape, param_dtype))
 
-  def _qkv(self, x, cos, sin, mesh):
+  def qkv(self, x, cos, sin, mesh):
+    """x [B, T, H] -> q [B, T, Hq, D], k, v [B, T, Hkv, D]: projected, normed (qk_norm), RoPE on q
+    and k."""
     cfg = self.cfg
     b, t, _ = x.shape
     q = constrain(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), mesh, HEADS)
@@ -84,7 +86,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh):
     b, t, _ = x.shape
-    q, k, v = self._qkv(x, cos, sin, mesh)
+    q, k, v = self.qkv(x, cos, sin, mesh)
     k_cache = kvc.write(k_cache, k, slots)
     v_cache = kvc.write(v_cache, v, slots)
     out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan, backend, mesh)
@@ -97,7 +99,7 @@ class Attention(nnx.Module):
     layer's blocks (None: select). A chain's completed compression blocks go into ck/cv first."""
     cfg = self.cfg
     b, t, _ = x.shape
-    q, k, v = self._qkv(x, cos, sin, mesh)
+    q, k, v = self.qkv(x, cos, sin, mesh)
     k_cache = kvc.write(k_cache, k, slots)
     v_cache = kvc.write(v_cache, v, slots)
     wk, wv = self.compress_k[...], self.compress_v[...]
