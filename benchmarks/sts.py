@@ -85,34 +85,38 @@ PASSKEY_INTRO = ("There is an important piece of information hidden inside a lot
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 
-_TARGET = flags.DEFINE_string("target", None, "target model spec")
-_DRAFT = flags.DEFINE_string("draft", None, "draft model spec (same tokenizer)")
-_RANDOM = flags.DEFINE_bool("random", False, "a tiny random pair on bytes (a smoke run: its "
-                            "numbers mean nothing)")
-_STS_MAP = flags.DEFINE_list("sts_map", [], "learned head map JSON files (jaxspec.sts_map), "
-                             "each run at the budget it was made for (method sts-map)")
-_METHODS = flags.DEFINE_list("methods", list(METHODS), "methods besides dense: "
-                             + ", ".join(METHODS))
-_EVALS = flags.DEFINE_list("evals", list(EVALS), "evaluations: " + ", ".join(EVALS))
-_BUDGETS = flags.DEFINE_list("budgets", ["256", "512", "10%"], "prefix keys per layer and KV "
-                             "head: a count, or a share of the context (10%)")
-_CONTEXT = flags.DEFINE_string("context", "16K", "tokens per passage (mass, ppl); K = 1024")
-_PASSAGES = flags.DEFINE_integer("passages", 4, "passages (evenly spaced over the book)")
-_VERIFY = flags.DEFINE_integer("verify_tokens", 512, "the last tokens of a passage, verified in "
-                               "chunks of gamma + 1 (mass, ppl)")
-_GAMMA = flags.DEFINE_integer("gamma", 4, "drafts per round: chunks of gamma + 1 tokens")
-_PASSKEY_CONTEXTS = flags.DEFINE_list("passkey_contexts", ["10K", "28K"], "passkey prompt "
-                                      "lengths in tokens; K = 1024")
-_DEPTHS = flags.DEFINE_list("passkey_depths", ["0.1", "0.3", "0.5", "0.7", "0.9"],
-                            "where the key sits in the haystack (0: start, 1: end)")
-_ANSWER = flags.DEFINE_integer("answer_tokens", 8, "greedy tokens per passkey answer")
-_SEED = flags.DEFINE_integer("seed", 0, "seed of the pass keys")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and cache")
-_OUT = flags.DEFINE_string("out", "benchmarks/out/sts.json", "JSON results (PNGs beside)")
-
 
 # ----------------------------------------------------------------------------------------------
 # Flags
+
+def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
+  """The flags, into `fv`. Defined only when run as a program, so that importing the module (the
+  tests do) does not collide with another benchmark's flags of the same names."""
+  f = dict(flag_values=fv)
+  flags.DEFINE_string("target", None, "target model spec", **f)
+  flags.DEFINE_string("draft", None, "draft model spec (same tokenizer)", **f)
+  flags.DEFINE_bool("random", False, "a tiny random pair on bytes (a smoke run: its numbers mean "
+                    "nothing)", **f)
+  flags.DEFINE_list("sts_map", [], "learned head map JSON files (jaxspec.sts_map), each run at the "
+                    "budget it was made for (method sts-map)", **f)
+  flags.DEFINE_list("methods", list(METHODS), "methods besides dense: " + ", ".join(METHODS), **f)
+  flags.DEFINE_list("evals", list(EVALS), "evaluations: " + ", ".join(EVALS), **f)
+  flags.DEFINE_list("budgets", ["256", "512", "10%"], "prefix keys per layer and KV head: a count, "
+                    "or a share of the context (10%)", **f)
+  flags.DEFINE_string("context", "16K", "tokens per passage (mass, ppl); K = 1024", **f)
+  flags.DEFINE_integer("passages", 4, "passages (evenly spaced over the book)", **f)
+  flags.DEFINE_integer("verify_tokens", 512, "the last tokens of a passage, verified in chunks of "
+                       "gamma + 1 (mass, ppl)", **f)
+  flags.DEFINE_integer("gamma", 4, "drafts per round: chunks of gamma + 1 tokens", **f)
+  flags.DEFINE_list("passkey_contexts", ["10K", "28K"], "passkey prompt lengths in tokens; "
+                    "K = 1024", **f)
+  flags.DEFINE_list("passkey_depths", ["0.1", "0.3", "0.5", "0.7", "0.9"], "where the key sits in "
+                    "the haystack (0: start, 1: end)", **f)
+  flags.DEFINE_integer("answer_tokens", 8, "greedy tokens per passkey answer", **f)
+  flags.DEFINE_integer("seed", 0, "seed of the pass keys", **f)
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and cache", **f)
+  flags.DEFINE_string("out", "benchmarks/out/sts.json", "JSON results (PNGs beside)", **f)
+
 
 def parse_tokens(text: str, name: str) -> int:
   """'16384' or '16K' (K = 1024) -> tokens; a one-line ValueError otherwise."""
@@ -591,25 +595,27 @@ FLAG_NAMES = ("methods", "evals", "budgets", "context", "passkey_contexts", "gam
 
 def main(argv):
   del argv
+  FLAGS = flags.FLAGS
   cli.quiet_logging()
   try:
-    v = parse_flags({k: getattr(flags.FLAGS, k) for k in FLAG_NAMES})
+    v = parse_flags({k: getattr(FLAGS, k) for k in FLAG_NAMES})
     names = list(dict.fromkeys(v["methods"]))
-    dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
-    pair = se.load_pair(_TARGET.value, _DRAFT.value, _RANDOM.value, dtype)
+    dtype = jnp.float32 if FLAGS.dtype == "float32" else jnp.bfloat16
+    pair = se.load_pair(FLAGS.target, FLAGS.draft, FLAGS.random, dtype)
     longest = max([v["context"]] * bool({"mass", "ppl"} & set(v["evals"]))
                   + [c + v["answer_tokens"] for c in v["passkey_contexts"]
                      if "passkey" in v["evals"]])
     if longest > pair.context:
       raise ValueError(f"{longest} tokens per sequence exceed the pair's context ({pair.context})")
-    maps = load_maps(_STS_MAP.value, pair.target, pair.draft)
-    v["map_files"] = {k: f for f, k in zip(_STS_MAP.value, maps)}
+    maps = load_maps(FLAGS.sts_map, pair.target, pair.draft)
+    v["map_files"] = {k: f for f, k in zip(FLAGS.sts_map, maps)}
     _check_maps(maps, v, names)
     texts = inputs(pair, v)
   except (OSError, ValueError) as e:
     cli.fail(PROG, str(e))
-  evaluate(pair, v, names, maps, _OUT.value, dtype, texts)
+  evaluate(pair, v, names, maps, FLAGS.out, dtype, texts)
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main, PROG)

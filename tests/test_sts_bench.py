@@ -210,7 +210,9 @@ def test_bad_flags_are_one_line_errors(change, message):
 
 def test_default_flags_parse():
   from absl import flags
-  v = bench.parse_flags({k: flags.FLAGS[k].default for k in bench.FLAG_NAMES})
+  fv = flags.FlagValues()
+  bench.define_flags(fv)
+  v = bench.parse_flags({k: fv[k].default for k in bench.FLAG_NAMES})
   assert v["context"] == 16384 and v["passkey_contexts"] == [10240, 28672]
   assert [k for _, k in bench.distinct_budgets(v["budgets"], v["context"])] == [256, 512, 1638]
 

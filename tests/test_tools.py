@@ -34,6 +34,15 @@ def test_benchmark_help_says_how_to_run_it(module):
   assert not re.search(r"\bissue \d", text) and "PYTHONPATH" not in text
 
 
+def test_benchmarks_the_tests_import_share_one_process():
+  """The tests import these benchmarks into one pytest worker: their flags must not collide (a
+  benchmark whose flags share names with another's defines them only when run as a program)."""
+  res = subprocess.run([sys.executable, "-c", "import benchmarks.sts, benchmarks.peer_hf, "
+                        "benchmarks.throughput, benchmarks.sparse_eval, benchmarks.workloads"],
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0, res.stderr[-2000:]
+
+
 def test_acceptance_benchmark_logs_quietly(weights_smollm2_ckpt, tmp_path):
   data = tmp_path / "problems.jsonl"
   data.write_text(json.dumps({"problem": "What is 2 + 3?", "answer": "5"}) + "\n")
