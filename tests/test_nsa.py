@@ -300,6 +300,11 @@ def forward(model, tokens, positions, cache, plan):
   return _forward(*nnx.split(model), jnp.asarray(tokens, jnp.int32), positions, cache, plan)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _blocks(graphdef, state, tokens, positions, cache, plan):
+  return nnx.merge(graphdef, state)(tokens, positions, cache, plan)[2]
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _recompress(graphdef, state, cache, start, count):
   return nnx.merge(graphdef, state).recompress(cache, start, count)
@@ -393,6 +398,15 @@ def test_schedules_in_the_model(model):
   reuse, _ = forward(model, nodes, positions, cache, NSA(tree_bits=bits, refresh=(True, False)))
   np.testing.assert_array_equal(np.asarray(merged), np.asarray(strict))
   assert not np.allclose(np.asarray(reuse), np.asarray(strict))
+  used = _blocks(*nnx.split(model), jnp.asarray(nodes, jnp.int32), positions, cache,
+                 NSA(tree_bits=bits, refresh=(True, False), collect=True))
+  n = NSA_CFG.num_selected
+  assert used.shape == (CFG.num_layers, 2, TREE.size, HKV, n) and used.dtype == jnp.int32
+  np.testing.assert_array_equal(used[1], used[0])
+  own = _blocks(*nnx.split(model), jnp.asarray(nodes, jnp.int32), positions, cache,
+                NSA(tree_bits=bits, collect=True))
+  np.testing.assert_array_equal(own[0], used[0])
+  assert (np.asarray(own[1]) != np.asarray(own[0])).any()   # layer 1 selects otherwise on its own
 
 
 def test_plans_an_nsa_model_refuses(model):

@@ -1,8 +1,9 @@
 """`load_model(spec)`: one entry point for every way of naming a model.
 
 spec is a jaxspec checkpoint dir (the fast path), a HF safetensors dir, a .gguf file, or a demo
-name from `jaxspec.fetch.DEMOS` (fetched and converted into checkpoints/ on first use). With tp > 1
-the weights go straight into their tensor-parallel shards (`jaxspec.model.sharding`).
+name from `jaxspec.fetch.DEMOS` (fetched and converted into checkpoints/ on first use); `nsa:SPEC`
+is SPEC's dense model NSA-ified (`jaxspec.model.nsaify`: a degraded model, for measuring SSV).
+With tp > 1 the weights go straight into their tensor-parallel shards (`jaxspec.model.sharding`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxspec import fetch as fetch_lib
 from jaxspec import requests
 from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.nsaify import nsaify
 from jaxspec.model.transformer import Transformer
 from jaxspec.io.weights import WeightsError, source_kind
 from jaxspec.io.weights import checkpoint
@@ -41,6 +43,9 @@ class LoadedModel:
     return tuple(sorted(set(self.cfg.eos_token_ids) | ({tok_eos} - {None})))
 
 
+NSAIFY = "nsa:"
+
+
 def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False,
                tp: int = 1) -> LoadedModel:
   """Config, filled model at `dtype` (a floating-point dtype) and tokenizer for `spec` (see the
@@ -48,6 +53,10 @@ def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False,
   device count raises a one-line ValueError before anything is read, one that does not divide
   the KV heads as soon as the config is read."""
   requests.check_dtype("dtype", dtype)
+  if str(spec).startswith(NSAIFY):
+    dense = load_model(str(spec)[len(NSAIFY):], dtype=dtype, progress=progress, tp=tp)
+    model = nsaify(dense.model)
+    return dataclasses.replace(dense, cfg=model.cfg, model=model)
   mesh = sharding.make_mesh(tp)
   path = Path(spec)
   if not path.exists() and str(spec) in fetch_lib.DEMOS:

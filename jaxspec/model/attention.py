@@ -176,11 +176,13 @@ class NSA:
   (1: each row alone); shared, each group's last row selects for the group (changes the output;
   without it grouping leaves the output bit for bit unchanged); refresh, one bool per layer
   (False: reuse the selection of the nearest earlier refresh layer, changes the output; None:
-  every layer selects)."""
+  every layer selects); collect, the forward pass returns every layer's selected blocks
+  [L, B, T, Hkv, n] int32 where other plans return their scores."""
   tree_bits: jax.Array | None = None
   group: int = struct.field(pytree_node=False, default=1)
   shared: bool = struct.field(pytree_node=False, default=False)
   refresh: tuple[bool, ...] | None = struct.field(pytree_node=False, default=None)
+  collect: bool = struct.field(pytree_node=False, default=False)
 
   def for_layer(self, i: int) -> "NSA":
     return self

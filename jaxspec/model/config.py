@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+FLA_NSA = "nsa"   # config.json model_type of fla-org/native-sparse-attention's NSAForCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +97,11 @@ class ModelConfig:
   def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
     """Build from a HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
     arch = hf.get("model_type")
+    if arch == FLA_NSA:
+      return cls._from_fla_nsa(hf)
     if arch not in ARCHITECTURES:
       raise ValueError(f"unknown architecture model_type={arch!r} in config.json; "
-                       f"supported: {', '.join(ARCHITECTURES)}")
+                       f"supported: {', '.join(ARCHITECTURES + (FLA_NSA,))}")
     rope = dict(hf.get("rope_parameters") or {})
     rope.update(hf.get("rope_scaling") or {})
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -128,6 +131,35 @@ class ModelConfig:
         qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
         qk_norm=arch == "qwen3", tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos, bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos)
+
+  @classmethod
+  def _from_fla_nsa(cls, hf: dict[str, Any]) -> "ModelConfig":
+    """fla-org/native-sparse-attention's `NSAForCausalLM` config: a Llama-shaped decoder whose
+    attention is NSA with one block size for compression (mean pooling, stride = block) and
+    selection, `block_counts` selected blocks and a `window_size` window."""
+    try:
+      hidden, heads, block = hf["hidden_size"], hf["num_heads"], hf.get("block_size", 64)
+      inter = hf.get("intermediate_size")
+      if inter is None:   # fla's GatedMLP: 2/3 of hidden_ratio * hidden, rounded up to 256
+        inter = int(hidden * hf.get("hidden_ratio", 4) * 2 / 3)
+        inter = 256 * ((inter + 255) // 256)
+      eos = hf.get("eos_token_id", 2)
+      return cls(
+          arch="llama", vocab_size=hf["vocab_size"], hidden_size=hidden, intermediate_size=inter,
+          num_layers=hf["num_hidden_layers"], num_heads=heads,
+          num_kv_heads=hf.get("num_kv_heads") or heads,
+          head_dim=hf.get("head_dim") or hidden // heads, rms_norm_eps=hf.get("norm_eps", 1e-6),
+          rope_theta=float(hf.get("rope_theta") or 10000.0),
+          qkv_bias=bool(hf.get("qkv_bias", False)),
+          tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+          max_position_embeddings=hf.get("max_position_embeddings", 2048),
+          bos_token_id=hf.get("bos_token_id"),
+          eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+          nsa=NSAConfig(compress_block=block, compress_stride=block, select_block=block,
+                        num_selected=hf.get("block_counts", 16),
+                        window=hf.get("window_size", 512)))
+    except KeyError as e:
+      raise ValueError(f"NSA config.json has no {e.args[0]!r}") from None
 
   # --- our own serialisation (written next to orbax checkpoints) -------------------------------
   def to_dict(self) -> dict[str, Any]:

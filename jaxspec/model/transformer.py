@@ -165,7 +165,8 @@ class Transformer(nnx.Module):
                backend: str = "reference") -> tuple[jax.Array, kvc.KVCache, jax.Array | None]:
     """tokens, positions [B, T] -> (hidden [B, T, H], cache with the new K/V written,
     scores [L, B, ...] | None). `backend`: see `jaxspec.model.attention.BACKENDS`. An NSA model
-    runs `as_nsa(plan)` and returns no scores."""
+    runs `as_nsa(plan)` and returns no scores; an `NSA(collect=True)` plan, every layer's selected
+    blocks [L, B, T, Hkv, n] instead."""
     if self.cfg.nsa is not None:
       return self._nsa_forward(tokens, positions, cache, as_nsa(plan), backend)
     t = tokens.shape[1]
@@ -198,9 +199,10 @@ class Transformer(nnx.Module):
       caches.append(layer_cache)
       return None, indices
 
-    nsa.run_schedule(nsa.check_refresh(plan.refresh, self.cfg.num_layers), layer)
+    _, used = nsa.run_schedule(nsa.check_refresh(plan.refresh, self.cfg.num_layers), layer)
     k, v, ck, cv = (tuple(c) for c in zip(*caches))
-    return self.norm(x), cache.replace(k=k, v=v, ck=ck, cv=cv), None
+    return (self.norm(x), cache.replace(k=k, v=v, ck=ck, cv=cv),
+            jnp.stack(used) if plan.collect else None)
 
   def recompress(self, cache: kvc.KVCache, start: jax.Array, count: int) -> kvc.KVCache:
     """An NSA model's cache with the compression blocks ending in slots start .. start + count - 1

@@ -1,4 +1,10 @@
-"""HF safetensors directory (config.json + *.safetensors, sharded or not) -> config and params."""
+"""HF safetensors directory (config.json + *.safetensors, sharded or not) -> config and params.
+
+Llama, Qwen2/2.5 and Qwen3 checkpoints under transformers' names; NSA checkpoints (config.json
+model_type "nsa") under fla-org/native-sparse-attention's (`NSAForCausalLM`: `model.embeddings`,
+`attn_norm`, `attn.{q,k,v,o,g}_proj`, `mlp_norm`, `mlp.{gate,up,down}_proj`). Such a checkpoint
+loads with its weights; the attention rules are jaxspec's (`jaxspec.model.nsa`: which blocks a row
+sees and selects), not checked against fla's Triton kernels."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +22,7 @@ from tqdm import tqdm
 
 from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.nsaify import fla_nsa_defaults
 from jaxspec.model.transformer import Transformer
 from jaxspec.io.weights import ParamDict, WeightsError, build_model
 
@@ -58,12 +65,33 @@ _PER_LAYER: dict[str, tuple[str, Callable]] = {
 }
 
 
+# fla-org/native-sparse-attention's NSAForCausalLM (config.json model_type "nsa"): the same decoder
+# under other names, plus the gate projection g_proj (no bias; mean-pooling compression).
+_FLA_NSA_GLOBAL: dict[str, tuple[str, Callable]] = {
+    "model.embeddings.weight": ("embed_tokens/embedding", _same),
+    "model.norm.weight": ("norm/weight", _same),
+    "lm_head.weight": ("lm_head/kernel", _transpose),
+}
+_FLA_NSA_PER_LAYER: dict[str, tuple[str, Callable]] = {
+    "attn_norm.weight": ("input_layernorm/weight", _same),
+    "mlp_norm.weight": ("post_attention_layernorm/weight", _same),
+    **{f"attn.{p}_proj.weight": (f"self_attn/{p}_proj/kernel", _transpose)
+       for p in ("q", "k", "v", "o", "g")},
+    **{f"attn.{p}_proj.bias": (f"self_attn/{p}_proj/bias", _same) for p in ("q", "k", "v")},
+    **{f"mlp.{p}_proj.weight": (f"mlp/{p}_proj/kernel", _transpose)
+       for p in ("gate", "up", "down")},
+}
+
+
 def key_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
-  """HF tensor name -> (param path, transform) for every tensor a checkpoint at `cfg` may hold."""
-  table = dict(_GLOBAL)
+  """HF tensor name -> (param path, transform) for every tensor a checkpoint at `cfg` may hold
+  (an NSA config: fla-org/native-sparse-attention's names)."""
+  fla = cfg.nsa is not None
+  table = dict(_FLA_NSA_GLOBAL if fla else _GLOBAL)
+  prefix = "model.layers.{i}."
   for i in range(cfg.num_layers):
-    for hf_key, (path, fn) in _PER_LAYER.items():
-      table[f"model.layers.{i}.{hf_key}"] = (f"layers/{i}/{path}", fn)
+    for hf_key, (path, fn) in (_FLA_NSA_PER_LAYER if fla else _PER_LAYER).items():
+      table[prefix.format(i=i) + hf_key] = (f"layers/{i}/{path}", fn)
   return table
 
 
@@ -137,6 +165,8 @@ def read_params(path: str | Path, cfg: ModelConfig, *, dtype=jnp.bfloat16,
             continue
           target, fn = table[n]
           params[target] = np.ascontiguousarray(fn(np.asarray(st.get_tensor(n)))).astype(np_dtype)
+  if cfg.nsa is not None:
+    params.update({k: v.astype(np_dtype) for k, v in fla_nsa_defaults(cfg).items()})
   return params
 
 

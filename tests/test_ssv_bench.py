@@ -1,0 +1,72 @@
+"""benchmarks.ssv: the overlap metrics on hand-built selections, the flags' one-line errors, and
+one smoke run on the tiny random NSA model (its numbers mean nothing)."""
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import ssv as bench
+from jaxspec.model.config import NSAConfig
+
+CFG = NSAConfig(compress_block=4, compress_stride=4, select_block=4, num_selected=4, window=8)
+
+
+def test_overlap_metrics_on_hand_built_selections():
+  """Rows at positions 40-43 (local blocks 9 and 10 for all): two layers, one KV head."""
+  layer0 = [[0, 3, 9, 10], [0, 3, 9, 10], [0, 5, 9, 10], [0, 6, 9, 10]]
+  layer1 = [[0, 3, 9, 10], [0, 4, 9, 10], [0, 5, 9, 10], [0, 7, 9, 10]]
+  indices = np.asarray([layer0, layer1])[:, :, None, :]           # [L=2, T=4, Hkv=1, n=4]
+  stats = bench.overlap_stats(indices, np.arange(40, 44), CFG, (2, 4))
+  np.testing.assert_allclose(stats["adjacent"], [(4 + 3 + 3) / 12, 3 / 4])
+  np.testing.assert_allclose(stats["scored"], [1 / 3, 0.0])      # block 3 kept once, in layer 0
+  np.testing.assert_allclose(stats["union_2"], [(4 + 5) / 2 / 4, (5 + 5) / 2 / 4])
+  np.testing.assert_allclose(stats["union_4"], [6 / 4, 7 / 4])
+  assert np.isnan(stats["layers"][0])
+  np.testing.assert_allclose(stats["layers"][1], (4 + 3 + 4 + 3) / 16)
+
+
+def test_padding_counts_as_no_block():
+  member = bench.block_sets(np.asarray([[0, 2, -1, -1]]))
+  np.testing.assert_array_equal(member, [[True, False, True]])
+
+
+FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2", "4"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(evals=["speed"]), "--evals"), (dict(contexts=["8Q"]), "--contexts"),
+    (dict(contexts=["16"]), "exceed --rows"), (dict(rows=1), "--rows"),
+    (dict(groups=["32"]), "--groups"), (dict(passages=0), "--passages")])
+def test_bad_flags_are_one_line_errors(change, message):
+  with pytest.raises(ValueError, match=re.escape(message)) as e:
+    bench.parse_flags(dict(FLAGS, **change))
+  assert "\n" not in str(e.value)
+
+
+def test_smoke_run_writes_json_and_pngs(tmp_path):
+  out = tmp_path / "ssv.json"
+  res = subprocess.run([sys.executable, "-m", "benchmarks.ssv", "--random", "--contexts=256",
+                        "--passages=1", "--rows=8", "--groups=2,4", "--dtype=float32",
+                        f"--out={out}"], capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-2000:]
+  data = json.loads(out.read_text())
+  (row,) = data["overlap"]
+  assert row["context"] == 256 and row["rows"] == 8
+  assert set(row["per_layer"]) == {"adjacent", "scored", "union_2", "union_4", "layers"}
+  assert len(row["per_layer"]["adjacent"]) == bench.TINY.num_layers
+  assert all(0 <= x <= 1 for x in row["per_layer"]["adjacent"])
+  assert all(1 <= x <= 4 for x in row["per_layer"]["union_4"])   # n <= union <= G * n
+  assert data["settings"]["model"] == "random tiny NSA model"
+  assert all((tmp_path / p.split("/")[-1]).is_file() for p in data["pngs"])
+
+
+def test_a_missing_model_is_a_one_line_error(tmp_path):
+  res = subprocess.run([sys.executable, "-m", "benchmarks.ssv", "--model=/nonexistent",
+                        f"--out={tmp_path / 'x.json'}"], capture_output=True, text=True,
+                       timeout=300)
+  assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr
+  assert res.stderr.startswith("benchmarks.ssv: error: /nonexistent")
+  assert not (tmp_path / "x.json").exists()
