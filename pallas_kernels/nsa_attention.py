@@ -21,7 +21,8 @@ Two launches per layer, as SSV's refresh layers run (Section 5.1 of ../shared/pa
                      normalised branch output, then re-reads the compressed keys once more to turn
                      the final probabilities into selection-block importance: a tile of
                      `select_tile` selection blocks takes the compressed blocks overlapping it and
-                     one product p [M, bc] @ overlap [bc, select_tile] (0/1, exact in float32).
+                     one product p [M, bc] @ overlap [bc, select_tile] (0/1, exact in float32);
+                     the tiles past every row's own block are written as zeros without a read.
                      The G heads of a row are summed in XLA (a [T, G, NB] sum).
   top-n              `nsa.select_blocks`, the reference's own lax.top_k over [B, T, Hkv, NB]
                      in XLA: NB = S / l' blocks a row (2048 at 128K and l' = 64), little next to
@@ -225,7 +226,17 @@ def _compressed_kernel(len_ref, pos_ref, q_ref, ck_ref, cv_ref, *refs, sm_scale:
     plgpu.store(imp_ref.at[:, pl.ds(j0, select_tile)], imp, mask=(js < nb)[None, :])
     return _
 
-  jax.lax.fori_loop(0, pl.cdiv(nb, select_tile), chunk, 0)
+  def zeros(ci, _):
+    js = ci * select_tile + jnp.arange(select_tile)
+    plgpu.store(imp_ref.at[:, pl.ds(ci * select_tile, select_tile)],
+                jnp.zeros((m_rows, select_tile), jnp.float32), mask=(js < nb)[None, :])
+    return _
+
+  # The selection blocks past every row's own get no mass: zeros, without reading the cache.
+  n_chunks = pl.cdiv(nb, select_tile)
+  n_live = jnp.minimum(pl.cdiv(jnp.max(pos) // ls + 1, select_tile), n_chunks)
+  jax.lax.fori_loop(0, n_live, chunk, 0)
+  jax.lax.fori_loop(n_live, n_chunks, zeros, 0)
 
 
 def _compressed_unbatched(length, pos, q, ck, cv, path=None, *, sm_scale, cfg, num_blocks,
