@@ -27,9 +27,10 @@ Plans:
                (`jaxspec.model.nsa`): T new rows (prefill, decoding, a chain or a whole tree)
                with SSV's verification schedule (merged or shared-index groups, refresh/reuse
                layers). `as_nsa` turns Prefill and Dense plans into it, so the engine's vanilla
-               and chain loops run NSA models unchanged. No kernel yet: every backend runs the
-               pure-JAX reference, and `attend` returns each row's selected blocks instead of
-               scores.
+               and chain loops run NSA models unchanged. Backend 'reference' runs the pure-JAX
+               reference, 'pallas' and 'interpret' SSV's kernels
+               (`pallas_kernels/nsa_attention.py`; one device only); `attend` returns each row's
+               selected blocks instead of scores.
 Dense and Sparse take an optional `tree_bits` [T] or [B, T] int32 (a draft tree's
 `Tree.ancestor_bits`, shared by all layers): query t then sees what the plan shows it before
 `lengths` and key lengths + i iff bit i of tree_bits[t] is set (i < 32), instead of the causal
@@ -59,6 +60,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxspec.drafting import pages as _pages
 from jaxspec.model import nsa as _nsa
 from jaxspec.model.sharding import AXIS, HEADS
+from pallas_kernels import nsa_attention as _nsa_kernels
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 
@@ -218,12 +220,20 @@ def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
   window's start as their `lengths`.
 
   An `NSA` plan takes the layer's `nsa` inputs (gates, compressed cache, compression weights) and
-  returns (out, the selected blocks [B, T, Hkv, n]) from the reference on every backend."""
+  returns (out, the selected blocks [B, T, Hkv, n]): from the reference on backend 'reference',
+  from the kernels on 'pallas' and 'interpret', which refuse a mesh (XLA cannot partition them
+  and no `shard_map` wrapping is built for them)."""
   if isinstance(plan, NSA) or nsa is not None:
     if not isinstance(plan, NSA) or nsa is None:
       raise ValueError("NSA attention needs an NSA plan and the layer's NSA inputs together")
-    return _nsa.nsa_attention(q, k_cache, v_cache, lengths, nsa, tree_bits=plan.tree_bits,
-                              group=plan.group, shared=plan.shared)
+    kw = dict(tree_bits=plan.tree_bits, group=plan.group, shared=plan.shared)
+    if backend == "reference":
+      return _nsa.nsa_attention(q, k_cache, v_cache, lengths, nsa, **kw)
+    if mesh is not None:
+      raise ValueError("the NSA kernels are not built for tensor parallelism: run an NSA model "
+                       "on several devices with backend 'reference'")
+    return _nsa_kernels.nsa_attention(q, k_cache, v_cache, lengths, nsa,
+                                      interpret=backend == "interpret", **kw)
   if isinstance(plan, (Dense, Sparse)) and plan.tree_bits is not None:
     lengths = lengths - plan.tree_offset
   if mesh is not None and getattr(plan, "scores", None) is not None and plan.scores.heads != "mean":

@@ -1,5 +1,7 @@
 """Native Sparse Attention (NSA, Yuan et al., 2025) for T new queries against a KV cache: the
-pure-JAX reference, with SSV's verification schedules (issue 18: no kernel exists yet).
+pure-JAX reference, with SSV's verification schedules. The Pallas kernels that match it are in
+`pallas_kernels/nsa_attention.py` (the attention dispatch runs them on backends 'pallas' and
+'interpret', this reference on 'reference').
 
 Each query row mixes three attention branches with learned gates, out = sum_b gate_b * branch_b
 (gates sigmoid(linear(hidden)) per query head and branch, computed by the layer):
@@ -171,9 +173,12 @@ def _softmax_attend(logits: jax.Array, visible: jax.Array, values: jax.Array, sp
   return p, jnp.einsum(spec, p, values)
 
 
-def _path_blocks(k_cache, v_cache, wk, wv, lengths, lay: Layout, cfg: NSAConfig):
+def path_blocks(k_cache: jax.Array, v_cache: jax.Array, wk: jax.Array, wv: jax.Array,
+                lengths: jax.Array, lay: Layout, cfg: NSAConfig
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """For a tree: the compressed blocks that end in the new window, per row, from the row's path.
-  Returns (keys, values [B, T, E, Hkv, D] f32, block indices [B, E], ends [B, E])."""
+  Returns (keys, values [B, T, E, Hkv, D] f32, block indices [B, E], ends [B, E]); E =
+  ceil(T / compress_stride)."""
   b, t = lay.pos.shape
   l, d = cfg.compress_block, cfg.compress_stride
   first = jnp.maximum(0, -((l - 1 - lengths) // d))
@@ -229,7 +234,7 @@ def compressed_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                              "bthgc,bchd->bthgd")
     starts = (blocks * d)[None, None]
   else:
-    pk, pv, pblocks, pends = _path_blocks(k_cache, v_cache, inputs.wk, inputs.wv, lengths, lay, cfg)
+    pk, pv, pblocks, pends = path_blocks(k_cache, v_cache, inputs.wk, inputs.wv, lengths, lay, cfg)
     logits = jnp.concatenate([logits, jnp.einsum("bthgd,btehd->bthge", qg, pk)], axis=-1)
     committed = jnp.broadcast_to(ends[None, None] < lengths[:, None, None], (b, t, c))
     on_path = pends[:, None, :] <= lay.pos[:, :, None]                        # [B, T, E]

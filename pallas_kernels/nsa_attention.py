@@ -1,0 +1,592 @@
+"""Native Sparse Attention for verification (SSV's kernels): the compressed branch with the block
+importance, and the selected and window branches fused with the gates, over groups of rows.
+
+The contract is `jaxspec.model.nsa.nsa_attention`'s, the pure-JAX reference these kernels match
+(its module docstring defines the branches, the caches, the chain and tree layouts and SSV's
+schedules). Shapes (GQA, Hq = G * Hkv; per layer):
+  q            [B, T, Hq, D]      the T new rows (a chain, or a whole tree flattened BFS or DFS)
+  k, v         [B, S, Hkv, D]     the raw cache, the new rows' K/V already at lengths + t
+  ck, cv       [B, C, Hkv, D]     the compressed cache (a chain's completed blocks written)
+  lengths      [B] int32          entries before the new rows
+  tree_bits    [T] or [B, T] int32, or None (a chain)
+
+Two launches per layer, as SSV's refresh layers run (Section 5.1 of ../shared/papers/ssv.txt):
+  `nsa_compressed`   the routing launch: each program takes `block_rows` adjacent rows x G query
+                     heads of one KV head in one [M, D] tile (`online_softmax.pack_queries`'s
+                     row order within the program), streams the compressed keys it sees with an
+                     online softmax (a row sees block c once c*d + l - 1 <= its position: a block
+                     completed by a draft mid-verification only from its last token on; a tree's
+                     rows see the committed blocks and their own path's blocks, computed in XLA by
+                     `nsa.path_blocks` and folded in one per-row column at a time), writes the
+                     normalised branch output, then re-reads the compressed keys once more to turn
+                     the final probabilities into selection-block importance: a tile of
+                     `select_tile` selection blocks takes the compressed blocks overlapping it and
+                     one product p [M, bc] @ overlap [bc, select_tile] (0/1, exact in float32);
+                     the tiles past every row's own block are written as zeros without a read.
+                     The G heads of a row are summed in XLA (a [T, G, NB] sum).
+  top-n              `nsa.select_blocks`, the reference's own lax.top_k over [B, T, Hkv, NB]
+                     in XLA: NB = S / l' blocks a row (2048 at 128K and l' = 64), little next to
+                     the attention's reads, and `topk_select` does not fit (a per-row k of token
+                     positions over long rows, with no forced initial and local blocks and no
+                     causal bound); selecting with the reference's code keeps the kernels' choice
+                     the reference's for the same importance.
+  `nsa_select_window` the downstream fused kernel: grid (Hkv, groups) per sequence; a program
+                     holds `group` adjacent rows x G heads ([M, D], M = `pow2_rows(group * G)`)
+                     and keeps two online-softmax states, one for the selected branch and one for
+                     the window, then applies the three gates in registers to the selected and
+                     window outputs and the compressed branch's output, writing one [M, D] tile.
+                       selected: the exact merged schedule loops over the group's union of
+                       selected blocks (ascending, each once; sorted and deduplicated in XLA,
+                       because Pallas's Triton lowering has no sort), loads each block's l' keys
+                       once for all rows, and masks a row's logits to -inf on a block outside its
+                       own list (`idx == block` over its n entries). A fully masked block leaves a
+                       row's state unchanged bit for bit (alpha = exp2(0) = 1, p = 0), so a row's
+                       result is the same whatever the group: run alone it folds the same blocks
+                       in the same order. `shared=True` is the shared-index schedule: the rows of
+                       a group carry one list (`nsa.shared_indices`, the group's last row), which
+                       is the schedule itself: no union, no ownership test.
+                       window: the keys within `window` of each row, in tiles of `block_k` aligned
+                       to multiples of block_k in the cache, so that a row meets the same tiles in
+                       any group (the extra tiles of a group are fully masked for it).
+                     Chain rows mask keys by position (key j <= the row's position). A tree's rows
+                     see the cached keys by position and the new keys by their ancestor bits
+                     (`online_softmax.window_visible`), in one last tile of the T new keys whose
+                     positions (lengths + depth) decide the window and the selection block.
+Reuse layers (`NSAInputs.indices` given) skip the importance pass; the fully fused single-launch
+kernel of SSV's reuse layers (compressed branch inside the fused kernel) is not built.
+
+Exactness: in float32 `nsa_select_window` with any group equals itself with group 1 bit for bit
+(interpret mode, tests/test_nsa_kernels.py), as the reference's merged schedule does; the kernels
+match the reference to float32 rounding, not bit for bit (base-2 exponentials, other sum orders).
+
+Backend: Pallas's Triton lowering, as `sparse_attention` (its docstring says why). Sizes the
+Triton lowering needs are padded: the query tile to `pow2_rows`, the selection block's key tile
+to a power of two >= 16 (keys past l' masked), the tree's new keys to `pow2_rows(T)`. Not yet run
+on a GPU: only interpret mode on the CPU has run these kernels, so there is no measured figure.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxspec.model import nsa as _nsa
+from jaxspec.model.config import NSAConfig
+from pallas_kernels import online_softmax
+from pallas_kernels.online_softmax import LOG2E, NEG_INF, pow2_rows
+
+_BIG = np.iinfo(np.int32).max     # sorts after every block index
+
+
+def _check(q, k, v, lengths):
+  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+    raise ValueError(f"expected q [B,T,Hq,D] and k, v [B,S,Hkv,D]; got {q.shape}, {k.shape}, "
+                     f"{v.shape}")
+  b, _, hq, d = q.shape
+  if k.shape[0] != b or k.shape[3] != d or hq % k.shape[2]:
+    raise ValueError(f"q {q.shape} does not match cache {k.shape} (batch, head_dim, GQA grouping)")
+  if lengths.shape != (b,):
+    raise ValueError(f"lengths must be [B]={b}, got {lengths.shape}")
+  if d < 16 or d & (d - 1):
+    raise ValueError(f"head_dim must be a power of two >= 16 for tl.dot, got {d}")
+
+
+def _pow2(n: int) -> int:
+  return max(16, 1 << (n - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows in programs: program p holds rows p*rows .. p*rows + rows - 1, packed row r = (t - p*rows)
+# * G + g; the rows past T and past rows * G repeat the program's last real row (its position and
+# bits keep every mask sensible; their outputs are dropped).
+
+def _row_table(t: int, g: int, rows: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """(src_t, src_g [NP, M] int: the row and head each packed row copies, M)."""
+  m_rows = pow2_rows(rows * g)
+  n_prog = -(-t // rows)
+  r = np.minimum(np.arange(m_rows), rows * g - 1)
+  src_t = np.minimum(np.arange(n_prog)[:, None] * rows + r[None] // g, t - 1)
+  return src_t, np.broadcast_to(r % g, src_t.shape), m_rows
+
+
+def _pack_heads(x: jax.Array, hkv: int, src_t: np.ndarray, src_g: np.ndarray) -> jax.Array:
+  """x [B, T, Hq, ...] -> [B, Hkv, NP, M, ...]."""
+  b, t, hq = x.shape[:3]
+  x = x.reshape(b, t, hkv, hq // hkv, *x.shape[3:])
+  return jnp.moveaxis(x, 2, 1)[:, :, src_t, src_g]
+
+
+def _unpack(o: jax.Array, t: int, g: int, rows: int) -> jax.Array:
+  """[B, Hkv, NP, M, ...] -> [B, T, Hq, ...]: the real packed rows back in place."""
+  b, hkv = o.shape[:2]
+  tt, gg = np.meshgrid(np.arange(t), np.arange(g), indexing="ij")
+  x = o[:, :, tt // rows, (tt % rows) * g + gg]                # [B, Hkv, T, G, ...]
+  return jnp.moveaxis(x, 1, 2).reshape(b, t, hkv * g, *o.shape[4:])
+
+
+# ----------------------------------------------------------------------------------------------
+# The compressed branch and the block importance
+
+def _fold_column(state, s, v):
+  """Fold one key per row in: s [M] base-2 logits (-inf where masked), v [M, D] each row's value
+  (a tree row's own path block: a different key per row, so no tile product)."""
+  acc, m_i, l_i = state
+  m_new = jnp.maximum(m_i, s)
+  alpha = jnp.exp2(m_i - m_new)
+  p = jnp.exp2(s - m_new)
+  return acc * alpha[:, None] + p[:, None] * v, m_new, l_i * alpha + p
+
+
+def _compressed_kernel(len_ref, pos_ref, q_ref, ck_ref, cv_ref, *refs, sm_scale: float,
+                       cfg: NSAConfig, block_c: int, select_tile: int, block_i: int,
+                       num_path: int, importance: bool):
+  # len_ref   []        int32  cache entries before the new rows
+  # pos_ref   [M]       int32  each packed row's position
+  # q_ref     [M, D]           this program's rows of this KV head
+  # ck_ref    [C, D]           this KV head's compressed keys (cv_ref: values)
+  # with a tree (num_path > 0): pblk_ref [E] int32 the path blocks' indices, pk_ref, pv_ref
+  #   [E, M, D] f32 each packed row's path blocks (keys, values)
+  # o_ref     [M, D]    f32    the branch output, normalised
+  # imp_ref   [M, NB]   f32    (importance) each packed row's probability mass per selection block
+  if num_path:
+    pblk_ref, pk_ref, pv_ref, *refs = refs
+  o_ref, *refs = refs
+  imp_ref = refs[0] if importance else None
+  l, d = cfg.compress_block, cfg.compress_stride
+  ls = cfg.select_block
+  c_total = ck_ref.shape[0]
+  m_rows = q_ref.shape[0]
+  length = len_ref[()]
+  pos = pos_ref[...]
+  q = q_ref[...]
+  qk_scale = sm_scale * LOG2E
+  if num_path:
+    # Committed blocks only (those ending before the new rows); the rest come from the path.
+    c_end = jnp.maximum(length - l + d, 0) // d
+  else:
+    c_end = jnp.maximum(jnp.max(pos) - l + 1 + d, 0) // d      # blocks ending at or before a row
+  c_end = jnp.minimum(c_end, c_total)
+
+  def visible(cols):
+    live = cols < c_end
+    if num_path:
+      return live[None, :] & (cols < c_total)[None, :]
+    return live[None, :] & ((cols * d + l - 1)[None, :] <= pos[:, None])
+
+  def logits(c0, size):
+    cols = c0 + jnp.arange(size)
+    k = plgpu.load(ck_ref.at[pl.ds(c0, size), :], mask=(cols < c_end)[:, None], other=0.)
+    s = online_softmax.dot_t(q, k) * qk_scale
+    return cols, jnp.where(visible(cols), s, NEG_INF)
+
+  def step(i, state):
+    c0 = i * block_c
+    cols, s = logits(c0, block_c)
+    v = plgpu.load(cv_ref.at[pl.ds(c0, block_c), :], mask=(cols < c_end)[:, None], other=0.)
+    return online_softmax.update(state, s, v)
+
+  state = jax.lax.fori_loop(0, pl.cdiv(c_end, block_c), step,
+                            online_softmax.init(m_rows, q.shape[1]))
+  path_s = []
+  for e in range(num_path):
+    end = pblk_ref[e] * d + l - 1
+    s = jnp.sum(q.astype(jnp.float32) * pk_ref[e], axis=1) * qk_scale
+    s = jnp.where(end <= pos, s, NEG_INF)
+    path_s.append(s)
+    state = _fold_column(state, s, pv_ref[e])
+  acc, m_i, l_i = state
+  inv = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
+  o_ref[...] = acc * inv[:, None]
+  if not importance:
+    return
+
+  nb = imp_ref.shape[1]
+
+  def chunk(ci, _):
+    # Selection blocks j0 .. j0 + select_tile - 1, from the compressed blocks overlapping them
+    # (c*d + l > j0*l' and c*d < (j0 + select_tile)*l'), probabilities from the final max/sum.
+    j0 = ci * select_tile
+    js = j0 + jnp.arange(select_tile)
+    c_lo = jnp.maximum(j0 * ls - l + d, 0) // d
+    cols, s = logits(c_lo, block_i)
+    p = jnp.exp2(s - m_i[:, None]) * inv[:, None]
+    start = (cols * d)[:, None]
+    overlap = ((start < ((js + 1) * ls)[None, :]) & (start + l > (js * ls)[None, :]))
+    imp = jax.lax.dot_general(p, overlap.astype(jnp.float32), (((1,), (0,)), ((), ())),
+                              precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+    for e in range(num_path):
+      first = pblk_ref[e] * d
+      over = ((first < (js + 1) * ls) & (first + l > js * ls)).astype(jnp.float32)
+      imp = imp + (jnp.exp2(path_s[e] - m_i) * inv)[:, None] * over[None, :]
+    plgpu.store(imp_ref.at[:, pl.ds(j0, select_tile)], imp, mask=(js < nb)[None, :])
+    return _
+
+  def zeros(ci, _):
+    js = ci * select_tile + jnp.arange(select_tile)
+    plgpu.store(imp_ref.at[:, pl.ds(ci * select_tile, select_tile)],
+                jnp.zeros((m_rows, select_tile), jnp.float32), mask=(js < nb)[None, :])
+    return _
+
+  # The selection blocks past every row's own get no mass: zeros, without reading the cache.
+  n_chunks = pl.cdiv(nb, select_tile)
+  n_live = jnp.minimum(pl.cdiv(jnp.max(pos) // ls + 1, select_tile), n_chunks)
+  jax.lax.fori_loop(0, n_live, chunk, 0)
+  jax.lax.fori_loop(n_live, n_chunks, zeros, 0)
+
+
+def _compressed_unbatched(length, pos, q, ck, cv, path=None, *, sm_scale, cfg, num_blocks,
+                          block_c, select_tile, importance, num_warps, num_stages, interpret):
+  """length [], pos [NP, M], q [Hkv, NP, M, D], ck/cv [C, Hkv, D], path None or (pblk [E],
+  pk/pv [Hkv, NP, E, M, D]) -> o [Hkv, NP, M, D] f32 (and importance [Hkv, NP, M, NB] f32)."""
+  hkv, n_prog, m_rows, d = q.shape
+  c = ck.shape[0]
+  num_path = 0 if path is None else path[0].shape[0]
+  l, st, ls = cfg.compress_block, cfg.compress_stride, cfg.select_block
+  # Compressed blocks overlapping select_tile selection blocks: starts in an interval of
+  # select_tile * l' + l - 1 positions, one every d.
+  block_i = _pow2((select_tile * ls + l - 2) // st + 1)
+  kernel = functools.partial(_compressed_kernel, sm_scale=sm_scale, cfg=cfg, block_c=block_c,
+                             select_tile=select_tile, block_i=block_i, num_path=num_path,
+                             importance=importance)
+  in_specs = [pl.BlockSpec((), lambda h, i: ()),
+              pl.BlockSpec((None, m_rows), lambda h, i: (i, 0)),
+              pl.BlockSpec((None, None, m_rows, d), lambda h, i: (h, i, 0, 0)),
+              pl.BlockSpec((c, None, d), lambda h, i: (0, h, 0)),
+              pl.BlockSpec((c, None, d), lambda h, i: (0, h, 0))]
+  args = [length, pos, q, ck, cv]
+  if path is not None:
+    in_specs += [pl.BlockSpec((num_path,), lambda h, i: (0,))] + [
+        pl.BlockSpec((None, None, num_path, m_rows, d), lambda h, i: (h, i, 0, 0, 0))] * 2
+    args += list(path)
+  out_specs = [pl.BlockSpec((None, None, m_rows, d), lambda h, i: (h, i, 0, 0))]
+  out_shape = [jax.ShapeDtypeStruct((hkv, n_prog, m_rows, d), jnp.float32)]
+  if importance:
+    out_specs.append(pl.BlockSpec((None, None, m_rows, num_blocks), lambda h, i: (h, i, 0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((hkv, n_prog, m_rows, num_blocks), jnp.float32))
+  return pl.pallas_call(
+      kernel,
+      grid=(hkv, n_prog),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=(f"nsa_compressed_m{m_rows}_d{d}" + ("_tree" if path is not None else "")
+            + ("_importance" if importance else "")),
+  )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "cfg", "num_blocks", "importance", "interpret", "block_rows", "block_c", "select_tile",
+    "num_warps", "num_stages"))
+def nsa_compressed(q: jax.Array, ck: jax.Array, cv: jax.Array, lengths: jax.Array,
+                   pos: jax.Array, path: tuple[jax.Array, jax.Array, jax.Array] | None = None, *,
+                   cfg: NSAConfig, num_blocks: int, importance: bool = True,
+                   interpret: bool = False, block_rows: int | None = None, block_c: int = 64,
+                   select_tile: int = 16, num_warps: int = 4, num_stages: int = 2
+                   ) -> tuple[jax.Array, jax.Array | None]:
+  """The compressed branch (`nsa.compressed_attention`'s contract): q [B, T, Hq, D], the
+  compressed cache ck/cv [B, C, Hkv, D], lengths [B], the rows' positions pos [B, T]
+  (`nsa.layout`), and for a tree `path` = (keys, values [B, T, E, Hkv, D] f32, block indices
+  [B, E]) from `nsa.path_blocks` (None: a chain). Returns (out [B, T, Hq, D] f32, importance
+  [B, T, Hkv, num_blocks] f32, or None with importance=False).
+
+  Knobs: `block_rows` rows per program (default: as many as fill 16 packed rows, at most T),
+  `block_c` compressed blocks per tile, `select_tile` selection blocks per importance tile (powers
+  of two >= 16), Triton's `num_warps` and `num_stages`."""
+  _check(q, ck, cv, lengths)
+  for name, value in (("block_c", block_c), ("select_tile", select_tile)):
+    if value < 16 or value & (value - 1):
+      raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+  b, t, hq, d = q.shape
+  hkv = ck.shape[2]
+  g = hq // hkv
+  if pos.shape != (b, t):
+    raise ValueError(f"pos must be [B, T]={(b, t)}, got {pos.shape}")
+  rows = block_rows or max(1, min(t, 16 // g))
+  src_t, src_g, _ = _row_table(t, g, rows)
+  qp = _pack_heads(q, hkv, src_t, src_g)                           # [B, Hkv, NP, M, D]
+  posp = pos.astype(jnp.int32)[:, src_t]                          # [B, NP, M]
+  packed_path = None
+  if path is not None:
+    pk, pv, pblk = path
+    # [B, T, E, Hkv, D] -> [B, Hkv, NP, E, M, D]: a row's path blocks for each of its G heads.
+    pack = lambda x: jnp.moveaxis(jnp.moveaxis(x, 3, 1)[:, :, src_t], 4, 3)
+    packed_path = (pblk.astype(jnp.int32), pack(pk), pack(pv))
+  outs = jax.vmap(functools.partial(
+      _compressed_unbatched, sm_scale=d ** -0.5, cfg=cfg, num_blocks=num_blocks, block_c=block_c,
+      select_tile=select_tile, importance=importance, num_warps=num_warps,
+      num_stages=num_stages, interpret=interpret))(
+          lengths.astype(jnp.int32), posp, qp, ck, cv, packed_path)
+  out = _unpack(outs[0], t, g, rows)
+  if not importance:
+    return out, None
+  imp = _unpack(outs[1], t, g, rows)                              # [B, T, Hq, NB]
+  return out, imp.reshape(b, t, hkv, g, num_blocks).sum(axis=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# The selected and window branches, fused with the gates
+
+def _fused_kernel(len_ref, cnt_ref, union_ref, idx_ref, pos_ref, gate_ref, cmp_ref, q_ref, k_ref,
+                  v_ref, *refs, sm_scale: float, cfg: NSAConfig, t: int, block_k: int,
+                  block_sel: int, tree: bool, shared: bool):
+  # len_ref   []       int32  cache entries before the new rows
+  # cnt_ref   []       int32  blocks in this group's schedule
+  # union_ref [U]      int32  the schedule: the group's selected blocks, ascending, each once
+  # idx_ref   [n, M]   int32  each packed row's own selected blocks (-1 unused)
+  # pos_ref   [M]      int32  each packed row's position
+  # gate_ref  [3, M]   f32    each packed row's gates (compressed, selected, window)
+  # cmp_ref   [M, D]   f32    the compressed branch's output
+  # q_ref     [M, D]          this group's rows of this KV head
+  # k_ref     [S, D]          this KV head's keys (v_ref: values)
+  # with a tree: bits_ref [M] int32 each packed row's ancestor bits; kpos_ref [TN] int32 the new
+  #   keys' positions
+  # o_ref     [M, D]   f32    the gated sum of the three branches
+  if tree:
+    bits_ref, kpos_ref, o_ref = refs
+  else:
+    (o_ref,) = refs
+  s_total = k_ref.shape[0]
+  m_rows, d = q_ref.shape
+  ls, w, n = cfg.select_block, cfg.window, idx_ref.shape[0]
+  length = len_ref[()]
+  pos = pos_ref[...]
+  q = q_ref[...]
+  qk_scale = sm_scale * LOG2E
+  # The last cached key any row of the group reads by position: a chain's rows read up to their
+  # own position, a tree's the prefix (its new keys come in the last tile, by their bits).
+  last = length - 1 if tree else jnp.max(pos)
+
+  def fold(state, k0, size, live, visible):
+    cols = k0 + jnp.arange(size)
+    live = live & (cols <= last) & (cols < s_total)
+    k = plgpu.load(k_ref.at[pl.ds(k0, size), :], mask=live[:, None], other=0.)
+    v = plgpu.load(v_ref.at[pl.ds(k0, size), :], mask=live[:, None], other=0.)
+    s = online_softmax.dot_t(q, k) * qk_scale
+    return online_softmax.update(state, jnp.where(live[None, :] & visible, s, NEG_INF), v)
+
+  def by_position(cols):
+    return cols[None, :] <= pos[:, None]      # the tree's cached keys: all < length <= pos
+
+  # Selected branch: the schedule's blocks in ascending order, each loaded once for all rows.
+  def sel_step(u, state):
+    blk = union_ref[u]
+    k0 = blk * ls
+    cols = k0 + jnp.arange(block_sel)
+    visible = by_position(cols)
+    if not shared:
+      own = idx_ref[0, :] == blk
+      for j in range(1, n):
+        own = own | (idx_ref[j, :] == blk)
+      visible = visible & own[:, None]
+    return fold(state, k0, block_sel, jnp.arange(block_sel) < ls, visible)
+
+  sel = jax.lax.fori_loop(0, cnt_ref[()], sel_step, online_softmax.init(m_rows, d))
+
+  # Window branch: tiles aligned to multiples of block_k from the group's earliest window key.
+  lo = jnp.maximum(jnp.min(pos) - w + 1, 0) // block_k * block_k
+
+  def win_step(i, state):
+    k0 = lo + i * block_k
+    cols = k0 + jnp.arange(block_k)
+    visible = by_position(cols) & (cols[None, :] > pos[:, None] - w)
+    return fold(state, k0, block_k, cols >= 0, visible)
+
+  win = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(last + 1 - lo, 0), block_k), win_step,
+                          online_softmax.init(m_rows, d))
+
+  if tree:
+    # The T new keys, one tile: seen by the rows whose bits name them, placed by their positions.
+    tn = kpos_ref.shape[0]
+    cols = length + jnp.arange(tn)
+    live = (jnp.arange(tn) < t) & (cols < s_total)
+    k = plgpu.load(k_ref.at[pl.ds(length, tn), :], mask=live[:, None], other=0.)
+    v = plgpu.load(v_ref.at[pl.ds(length, tn), :], mask=live[:, None], other=0.)
+    s = online_softmax.dot_t(q, k) * qk_scale
+    kpos = kpos_ref[...]
+    seen = live[None, :] & online_softmax.window_visible(bits_ref[...][:, None], cols[None, :],
+                                                         length)
+    kblk = (kpos // ls)[None, :]
+    in_sel = idx_ref[0, :][:, None] == kblk
+    for j in range(1, n):
+      in_sel = in_sel | (idx_ref[j, :][:, None] == kblk)
+    sel = online_softmax.update(sel, jnp.where(seen & in_sel, s, NEG_INF), v)
+    win = online_softmax.update(win, jnp.where(seen & (kpos[None, :] > pos[:, None] - w), s,
+                                               NEG_INF), v)
+
+  def normalised(state):
+    acc, _, l_i = state
+    return acc * (1.0 / jnp.where(l_i > 0, l_i, 1.0))[:, None]
+
+  o_ref[...] = (gate_ref[0, :][:, None] * cmp_ref[...] + gate_ref[1, :][:, None] * normalised(sel)
+                + gate_ref[2, :][:, None] * normalised(win))
+
+
+def _fused_unbatched(length, counts, union, idx, pos, gates, cmp, q, k, v, tree=None, *,
+                     sm_scale, cfg, t, block_k, shared, num_warps, num_stages, interpret):
+  """length [], counts [Hkv, NG], union [Hkv, NG, U], idx [Hkv, NG, n, M], pos [NG, M], gates
+  [Hkv, NG, 3, M], cmp and q [Hkv, NG, M, D], k/v [S, Hkv, D], tree None or (bits [NG, M],
+  kpos [TN]) -> out [Hkv, NG, M, D] f32."""
+  hkv, ng, m_rows, d = q.shape
+  s = k.shape[0]
+  u, n = union.shape[-1], idx.shape[2]
+  block_sel = _pow2(cfg.select_block)
+  kernel = functools.partial(_fused_kernel, sm_scale=sm_scale, cfg=cfg, t=t, block_k=block_k,
+                             block_sel=block_sel, tree=tree is not None, shared=shared)
+  tile = lambda *shape: pl.BlockSpec((None, None) + shape, lambda h, i: (h, i) + (0,) * len(shape))
+  in_specs = [pl.BlockSpec((), lambda h, i: ()),
+              pl.BlockSpec((None, None), lambda h, i: (h, i)),
+              tile(u), tile(n, m_rows),
+              pl.BlockSpec((None, m_rows), lambda h, i: (i, 0)),
+              tile(3, m_rows), tile(m_rows, d), tile(m_rows, d),
+              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
+              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))]
+  args = [length, counts, union, idx, pos, gates, cmp, q, k, v]
+  if tree is not None:
+    in_specs += [pl.BlockSpec((None, m_rows), lambda h, i: (i, 0)),
+                 pl.BlockSpec((tree[1].shape[0],), lambda h, i: (0,))]
+    args += list(tree)
+  return pl.pallas_call(
+      kernel,
+      grid=(hkv, ng),
+      in_specs=in_specs,
+      out_specs=tile(m_rows, d),
+      out_shape=jax.ShapeDtypeStruct((hkv, ng, m_rows, d), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=(f"nsa_select_window_m{m_rows}_d{d}" + ("_tree" if tree is not None else "")
+            + ("_shared" if shared else "_merged")),
+  )(*args)
+
+
+def merged_schedule(indices: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+  """The exact merged schedule: indices [B, T, Hkv, n] (-1 unused) -> (union [B, NG, Hkv, U]
+  int32, each group of `group` adjacent rows' selected blocks ascending and each once, 0 past the
+  count; counts [B, NG, Hkv] int32), NG = ceil(T / group), U = group * n."""
+  b, t, hkv, n = indices.shape
+  ng = -(-t // group)
+  idx = jnp.pad(indices, ((0, 0), (0, ng * group - t), (0, 0), (0, 0)), constant_values=-1)
+  flat = jnp.where(idx < 0, _BIG, idx).reshape(b, ng, group, hkv, n).transpose(0, 1, 3, 2, 4)
+  flat = jnp.sort(flat.reshape(b, ng, hkv, group * n), axis=-1)
+  dup = jnp.concatenate([jnp.zeros_like(flat[..., :1], bool), flat[..., 1:] == flat[..., :-1]],
+                        axis=-1)
+  flat = jnp.sort(jnp.where(dup, _BIG, flat), axis=-1)
+  return jnp.where(flat == _BIG, 0, flat).astype(jnp.int32), (flat != _BIG).sum(-1).astype(
+      jnp.int32)
+
+
+def shared_schedule(indices: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+  """The shared-index schedule: each group's last row's list as the group's (indices already
+  `nsa.shared_indices(indices, group)`) -> (union [B, NG, Hkv, n], counts [B, NG, Hkv])."""
+  t = indices.shape[1]
+  rep = np.minimum(np.arange(-(-t // group)) * group + group - 1, t - 1)
+  own = indices[:, rep]                                  # ascending, -1 after the last
+  return jnp.maximum(own, 0).astype(jnp.int32), (own >= 0).sum(-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "cfg", "group", "shared", "interpret", "block_k", "num_warps", "num_stages"))
+def nsa_select_window(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                      pos: jax.Array, indices: jax.Array, gates: jax.Array, cmp: jax.Array, *,
+                      cfg: NSAConfig, tree_bits: jax.Array | None = None, group: int = 1,
+                      shared: bool = False, interpret: bool = False, block_k: int = 64,
+                      num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+  """The selected and window branches and the gated sum, fused: q [B, T, Hq, D], the raw cache
+  k/v [B, S, Hkv, D], lengths [B], the rows' positions pos [B, T] (`nsa.layout`), the selected
+  blocks indices [B, T, Hkv, n] int32 (-1 unused), gates [B, T, Hq, 3], the compressed branch's
+  output cmp [B, T, Hq, D]. Returns out [B, T, Hq, D] in q.dtype: what `nsa.nsa_attention` mixes,
+  gates[..., 0] * cmp + gates[..., 1] * selected + gates[..., 2] * window.
+
+  group: rows per program. shared=False runs the exact merged schedule over each group (the
+  output does not depend on group); shared=True the shared-index schedule: the rows of a group
+  must carry one list (`nsa.shared_indices(indices, group)`). Knobs: `block_k` window keys per
+  tile (a power of two >= 16), Triton's `num_warps` and `num_stages`."""
+  _check(q, k, v, lengths)
+  if group < 1:
+    raise ValueError(f"NSA group must be a positive number of rows, got {group}")
+  if block_k < 16 or block_k & (block_k - 1):
+    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  g = hq // hkv
+  n = indices.shape[-1]
+  if indices.shape[:3] != (b, t, hkv) or pos.shape != (b, t) or gates.shape != (b, t, hq, 3) \
+      or cmp.shape != q.shape:
+    raise ValueError(f"indices {indices.shape}, pos {pos.shape}, gates {gates.shape} and cmp "
+                     f"{cmp.shape} must be [B, T, Hkv, n], [B, T], [B, T, Hq, 3] and [B, T, Hq, D]")
+  indices = indices.astype(jnp.int32)
+  union, counts = (shared_schedule if shared else merged_schedule)(indices, group)
+  src_t, src_g, m_rows = _row_table(t, g, group)
+  moved = lambda x: jnp.moveaxis(x, 2, 1)                          # [B, NG, Hkv, ...] -> Hkv first
+  idxp = jnp.moveaxis(jnp.moveaxis(indices, 2, 1)[:, :, src_t], 4, 3)   # [B, Hkv, NG, n, M]
+  gatesp = jnp.moveaxis(_pack_heads(gates.astype(jnp.float32), hkv, src_t, src_g), 4, 3)
+  tree = None
+  if tree_bits is not None:
+    bits = online_softmax.batch_bits(tree_bits, b, t)
+    tn = pow2_rows(t)
+    kpos = jnp.pad(pos.astype(jnp.int32), ((0, 0), (0, tn - t)))
+    tree = (bits[:, src_t], kpos)
+  out = jax.vmap(functools.partial(
+      _fused_unbatched, sm_scale=d ** -0.5, cfg=cfg, t=t, block_k=block_k, shared=shared,
+      num_warps=num_warps, num_stages=num_stages, interpret=interpret))(
+          lengths.astype(jnp.int32), moved(counts), moved(union), idxp,
+          pos.astype(jnp.int32)[:, src_t], gatesp,
+          _pack_heads(cmp.astype(jnp.float32), hkv, src_t, src_g),
+          _pack_heads(q, hkv, src_t, src_g), k, v, tree)
+  return _unpack(out, t, g, group).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+
+@functools.partial(jax.jit, static_argnames=("t", "cfg"))
+def route(k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, wk: jax.Array, wv: jax.Array,
+          tree_bits: jax.Array | None, *, t: int, cfg: NSAConfig
+          ) -> tuple[_nsa.Layout, tuple[jax.Array, jax.Array, jax.Array] | None]:
+  """The T rows' layout (`nsa.layout`), and for a tree (tree_bits given) each row's path blocks
+  as `nsa_compressed` takes them (keys, values, block indices; `nsa.path_blocks`), else None."""
+  lay = _nsa.layout(lengths, t, tree_bits)
+  if tree_bits is None:
+    return lay, None
+  pk, pv, pblk, _ = _nsa.path_blocks(k_cache, v_cache, wk, wv, lengths, lay, cfg)
+  return lay, (pk, pv, pblk)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "group", "shared"))
+def _select(importance, pos, *, cfg, group, shared):
+  indices = _nsa.select_blocks(importance, pos, cfg)
+  return _nsa.shared_indices(indices, group) if shared else indices
+
+
+def nsa_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
+                  inputs: _nsa.NSAInputs, *, tree_bits: jax.Array | None = None, group: int = 1,
+                  shared: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`nsa.nsa_attention` with the kernels: the same arguments and results (out [B, T, Hq, D] in
+  q.dtype, the selected blocks [B, T, Hkv, n] int32 each row used). The compressed branch and
+  importance (`nsa_compressed`; no importance for a reuse layer, inputs.indices given), the top-n
+  (`nsa.select_blocks`), then the fused selected and window branches with the gates
+  (`nsa_select_window`) under the merged or the shared-index schedule. Not jitted as a whole (a
+  model's forward pass traces it inside its own jit): called alone, its pieces are compiled apart
+  and reused across schedules."""
+  if group < 1:
+    raise ValueError(f"NSA group must be a positive number of rows, got {group}")
+  cfg = inputs.cfg
+  t = q.shape[1]
+  lay, path = route(k_cache, v_cache, lengths, inputs.wk, inputs.wv, tree_bits, t=t, cfg=cfg)
+  reuse = inputs.indices is not None
+  cmp, importance = nsa_compressed(q, inputs.ck, inputs.cv, lengths, lay.pos, path, cfg=cfg,
+                                   num_blocks=_nsa.num_select_blocks(k_cache.shape[1], cfg),
+                                   importance=not reuse, interpret=interpret)
+  indices = inputs.indices
+  if not reuse:
+    indices = _select(importance, lay.pos, cfg=cfg, group=group if shared else 1, shared=shared)
+  out = nsa_select_window(q, k_cache, v_cache, lengths, lay.pos, indices, inputs.gates, cmp,
+                          cfg=cfg, tree_bits=tree_bits, group=group, shared=shared and not reuse,
+                          interpret=interpret)
+  return out, indices

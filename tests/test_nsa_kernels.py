@@ -1,0 +1,191 @@
+"""SSV's NSA kernels (pallas_kernels/nsa_attention.py, interpret mode) against the pure-JAX
+references of jaxspec.model.nsa: the compressed branch and block importance, the fused selected
+and window branches under the exact merged and the shared-index schedules, chain and tree rows
+(BFS and DFS), blocks completed by drafts mid-verification, and a tiny NSA model run through the
+kernels.
+
+The kernels read a cache whose slots past the new rows hold NaN, so reading one shows up as NaN
+in the output (the references get the clean cache). Shapes and configurations are shared between
+the tests so that the interpret-mode kernels compile few times."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec.drafting.trees import Tree
+from jaxspec.model import nsa
+from jaxspec.model.attention import Prefill
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import init_random
+from pallas_kernels import nsa_attention as nk
+from test_nsa import CFG, D, NSA_CFG, S, extend, padded
+
+T_CHAIN = 8
+# 8 query heads per KV head: a row alone and a shared group of 2 fill a 16-row query tile, a
+# merged group of 4 a 32-row one (the bit-for-bit check covers a change of tile).
+HQ, HKV = 16, 2
+LAYOUTS = {
+    # name: (rows, lengths, tree). The chain's drafts complete compression blocks and cross from
+    # selection block 7 into 8 (sequence 0) and 4 into 5 (sequence 1); the trees straddle blocks.
+    "chain": (T_CHAIN, (59, 37), None),
+    "tree-bfs": (11, (57, 38), Tree.from_widths((2, 2, 1), "bfs")),
+    "tree-dfs": (11, (46, 29), Tree.from_widths((2, 2, 1), "dfs")),
+}
+# (group, shared): each row alone, merged groups of 4, shared groups of 2. Each compiles the
+# kernels once per layout kind (chain, tree) and compiling is most of the time these tests take,
+# so trees run the merged schedule only: the shared schedule differs from it in what XLA gives
+# the kernel (one list per group, no ownership test), not in how it treats a tree.
+MERGED, SHARED = 4, 2
+SCHEDULES = {False: ((1, False), (MERGED, False), (SHARED, True)),
+             True: ((1, False), (MERGED, False))}
+
+# The programs here are tiny: compiling them is nearly all the time these tests take, and XLA's
+# backend optimisations would double it.
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+reference = jax.jit(nsa.nsa_attention, static_argnames=("group", "shared"), compiler_options=FAST)
+kernels = jax.jit(nk.nsa_attention, static_argnames=("group", "shared", "interpret"),
+                  compiler_options=FAST)
+
+
+@functools.partial(jax.jit, static_argnames=("tree",), compiler_options=FAST)
+def reference_all(q, k, v, lens, inputs, bits, tree):
+  """The reference's compressed branch and importance, its layer (each row alone: the merged
+  schedule's output too) and, for a chain, its layer under the shared schedule."""
+  lay = nsa.layout(lens, q.shape[1], bits)
+  shared = () if tree else nsa.nsa_attention(q, k, v, lens, inputs, group=SHARED, shared=True)
+  return (*nsa.compressed_attention(q, k, v, inputs, lens, lay, tree=tree),
+          *nsa.nsa_attention(q, k, v, lens, inputs, tree_bits=bits), shared)
+
+
+@functools.partial(jax.jit, compiler_options=FAST)
+def kernel_compressed(q, k, v, lens, inputs, bits):
+  """The compressed kernel as `nk.nsa_attention` runs it: (out, importance, the layout)."""
+  lay, path = nk.route(k, v, lens, inputs.wk, inputs.wv, bits, t=q.shape[1], cfg=NSA_CFG)
+  out, imp = nk.nsa_compressed(q, inputs.ck, inputs.cv, lens, lay.pos, path, cfg=NSA_CFG,
+                               num_blocks=nsa.num_select_blocks(S, NSA_CFG), interpret=True)
+  return out, imp, lay
+
+
+def make_inputs(seed, t, lengths, tree=None):
+  """test_nsa.make_inputs with HQ query heads over HKV KV heads."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(2, t, HQ, D)) * 2, jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, S, HKV, D)), jnp.float32) for _ in range(2))
+  wk, wv = (jnp.asarray(rng.normal(size=(HKV, NSA_CFG.compress_block, D, D)) * 0.1, jnp.float32)
+            for _ in range(2))
+  gates = jnp.asarray(rng.uniform(size=(2, t, HQ, 3)), jnp.float32)
+  c = nsa.num_compressed(S, NSA_CFG)
+  zeros = jnp.zeros((2, c, HKV, D))
+  ck, cv = extend(zeros, zeros, k, v, wk, wv, jnp.zeros((2,), jnp.int32), S, NSA_CFG)
+  inputs = nsa.NSAInputs(gates=gates, ck=ck, cv=cv, wk=wk, wv=wv, cfg=NSA_CFG)
+  bits = None if tree is None else jnp.asarray(tree.ancestor_bits)
+  return q, k, v, jnp.asarray(lengths, jnp.int32), inputs, bits
+
+
+def poisoned(x, lengths, t):
+  """The cache with NaN in every slot past the new rows."""
+  keep = np.arange(x.shape[1])[None] < (np.asarray(lengths) + t)[:, None]
+  return jnp.where(jnp.asarray(keep)[:, :, None, None], x, jnp.nan)
+
+
+def inputs_for(name, seed=0):
+  t, lengths, tree = LAYOUTS[name]
+  return make_inputs(seed, t, lengths, tree)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_kernels_match_the_reference(name):
+  """The compressed kernel's output and importance (hence the selection), then the layer under
+  each schedule, against the reference; the merged schedule bit for bit each row alone."""
+  q, k, v, lens, inputs, bits = inputs_for(name)
+  t = q.shape[1]
+  kp, vp = poisoned(k, lens, t), poisoned(v, lens, t)
+  cmp, imp, lay = kernel_compressed(q, kp, vp, lens, inputs, bits)
+  want_cmp, want_imp, want_out, want_idx, want_shared = reference_all(
+      q, k, v, lens, inputs, bits, tree=bits is not None)
+  np.testing.assert_allclose(np.asarray(cmp), np.asarray(want_cmp), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(imp), np.asarray(want_imp), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(nsa.select_blocks(imp, lay.pos, NSA_CFG)),
+                                np.asarray(want_idx))
+  # Rows chose among more blocks than the forced ones, and adjacent rows chose differently.
+  sel = np.asarray(want_idx)
+  assert (sel >= 0).sum(-1).max() == NSA_CFG.num_selected
+  assert any(not np.array_equal(sel[:, r], sel[:, r + 1]) for r in range(t - 1))
+
+  outs = {}
+  for group, shared in SCHEDULES[bits is not None]:
+    out, idx = kernels(q, kp, vp, lens, inputs, tree_bits=bits, group=group, shared=shared,
+                       interpret=True)
+    outs[group, shared] = out = np.asarray(out)
+    assert np.isfinite(out).all()
+    want, want_i = want_shared if shared else (want_out, want_idx)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_i))
+    np.testing.assert_allclose(out, np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(outs[MERGED, False], outs[1, False])
+  if (SHARED, True) in outs:     # the groups' selections differed, so sharing changed some rows
+    assert not np.allclose(outs[SHARED, True], outs[1, False])
+
+
+def test_a_block_completed_by_a_draft_is_visible_from_its_last_token_on():
+  """Chain rows at 45 .. 52 (the chain layout's shapes): compression block 22 (tokens 44 .. 47)
+  is completed by row 2's token. Garbage in that compressed entry changes the kernel's compressed
+  output and importance for rows 2.. and for no row before."""
+  q, k, v, lens, inputs, _ = make_inputs(2, T_CHAIN, (45, 45))     # the chain's shapes
+  block = 22
+  assert block * NSA_CFG.compress_stride + NSA_CFG.compress_block - 1 == 45 + 2
+  clean = kernel_compressed(q, k, v, lens, inputs, None)
+  spoiled = inputs.replace(ck=inputs.ck.at[:, block].set(50.0), cv=inputs.cv.at[:, block].set(50.0))
+  dirty = kernel_compressed(q, k, v, lens, spoiled, None)
+  for a, b_ in zip(clean[:2], dirty[:2]):
+    same = np.all(np.asarray(a) == np.asarray(b_), axis=(0, 2, 3))
+    np.testing.assert_array_equal(same, [True, True] + [False] * 6)
+
+
+def test_reuse_layer_takes_the_given_blocks():
+  """inputs.indices given (a reuse layer): no importance pass, those blocks under the merged
+  schedule."""
+  q, k, v, lens, inputs, _ = inputs_for("chain", seed=5)
+  _, own = reference(q, k, v, lens, inputs)
+  given = inputs.replace(indices=own[:, ::-1])          # each row another row's blocks
+  got, used = kernels(q, poisoned(k, lens, T_CHAIN), poisoned(v, lens, T_CHAIN), lens, given,
+                     group=MERGED, interpret=True)
+  want, _ = reference(q, k, v, lens, given)
+  np.testing.assert_array_equal(np.asarray(used), np.asarray(own[:, ::-1]))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(np.asarray(got), np.asarray(reference(q, k, v, lens, inputs)[0]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model, backend 'interpret' against 'reference'
+
+@pytest.fixture(scope="module")
+def one_layer():
+  """test_nsa's tiny NSA model with one layer (each layer adds the kernels' compile again)."""
+  return init_random(dataclasses.replace(CFG, num_layers=1), dtype=jnp.float32, seed=1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), compiler_options=FAST)
+def _forward(graphdef, state, tokens, positions, cache, backend, plan):
+  model = nnx.merge(graphdef, state)
+  hidden, cache, _ = model(tokens, positions, cache, plan, backend)
+  return model.logits(hidden), cache
+
+
+def test_model_logits_with_the_kernels_equal_the_references(one_layer):
+  """A prefill of prompts of 52 and 33 tokens right-padded to 64 slots (an empty cache, every
+  block completed by the call itself): the same logits through the kernels as through the
+  references."""
+  rng = np.random.default_rng(11)
+  prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (52, 33)]
+  graphdef, state = nnx.split(one_layer)
+  cache = KVCache.create(one_layer.cfg, 2, S, jnp.float32)
+  tokens = jnp.asarray(padded(prompts), jnp.int32)
+  positions = cache.chain_positions(tokens.shape[1])
+  logits = {backend: np.asarray(_forward(graphdef, state, tokens, positions, cache, backend,
+                                         Prefill())[0])
+            for backend in ("reference", "interpret")}
+  np.testing.assert_allclose(logits["interpret"], logits["reference"], rtol=1e-4, atol=1e-4)
