@@ -47,7 +47,7 @@ drafts with --draft_model and verifies each KV head over the top-k keys of its m
 (`sts@256`: budget k = 256, default --sts_budget; --sts_block pages; head map from --sts_map, made
 for that budget, else proportional). SpecAttn and STS CHANGE the output (approximate
 verification): their tok/s are not a lossless method's.
---plan=PROFILE.json (a profile from `python -m jaxspec.plan_profile`) adds two rows after the
+--plan=PROFILE.json (a profile from `python -m benchmarks.plan_profile`) adds two rows after the
 --methods: `static-best`, the profile's best strategy for the batch's context bucket and batch size
 (re-chosen when the context crosses a bucket, never refined at run time), and `plan`, the same
 planner with run-time refinement (`jaxspec.engine.planner`); both over the same stream.
@@ -140,8 +140,9 @@ _PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existi
 _OUT = flags.DEFINE_string("out", None,
                            "JSON path (default benchmarks/out/throughput_<workload>.json)")
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: devices to shard the model over")
-_PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (jaxspec.plan_profile): add rows "
-                            "static-best and plan (run-time refinement); not with --workload=scale")
+_PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.plan_profile): add "
+                            "rows static-best and plan (run-time refinement); not with "
+                            "--workload=scale")
 _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a second device "
                                   "while the first one decodes (short and long workloads)")
 

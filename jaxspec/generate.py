@@ -26,7 +26,7 @@ verification; see jaxspec/drafting/specattn.py). Its layer map is read from besi
 --sts_budget keys its mapped draft head attended to most (see jaxspec/drafting/sts.py), so the text
 is that masked model's. Its head map is --sts_map, else the one `python -m jaxspec.sts_map` saved
 beside the model for this draft model and budget, else the proportional map.
---plan=PROFILE.json (from `python -m jaxspec.plan_profile`) lets the planner choose the
+--plan=PROFILE.json (from `python -m benchmarks.plan_profile`) lets the planner choose the
 self-drafting strategy (method, gamma, sparsity, tree) per context bucket and switch between
 chunks when acceptance stays below the profile's expectation (`jaxspec.engine.planner`); it
 replaces --method, --gamma, --sparsity and --tree.
@@ -100,8 +100,8 @@ _TREE = flags.DEFINE_list("tree", None, "draft a tree of these widths per depth 
                           "one pass; default: a chain of --gamma")
 _TREE_ORDER = flags.DEFINE_enum("tree_order", "bfs", ["bfs", "dfs"],
                                 "the order --tree's nodes are verified in")
-_PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (python -m jaxspec.plan_profile): "
-                            "the planner picks and switches the self-drafting strategy; replaces "
+_PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.plan_profile): the "
+                            "planner picks and switches the self-drafting strategy; replaces "
                             "--method, --gamma, --sparsity and --tree")
 _PLAN_CLASS = flags.DEFINE_string("plan_class", None, "--plan: the precision class to plan in "
                                   "(default: the profile's only one)")

@@ -5,7 +5,7 @@ KV ratio or tree shape depends on the prompt. The planner picks among strategies
 compiles once and caches, at chunk boundaries (between jitted chunks of rounds: no host sync per
 round), in two steps:
 
-  offline   a profile (`Profile`, JSON, made by `python -m jaxspec.plan_profile`) holds, per
+  offline   a profile (`Profile`, JSON, made by `python -m benchmarks.plan_profile`) holds, per
             context bucket and batch size, per strategy, the mean accepted tokens per round and
             the fused round's latency; strategies are ranked by accepted tokens per second
             (accepted per round / round latency);
@@ -404,9 +404,10 @@ class Controller:
       if best != old:
         self._record(best, "bucket", context)
       self._plan(bucket)
-      if self.strategy == old:    # the same variant: what it has shown so far still holds
-        self.ema, self.since = ema, since
-      return self.strategy
+      if self.strategy != old:
+        return self.strategy
+      # The same variant: what it has shown so far, this chunk included, still holds.
+      self.ema, self.since = ema, since
     if rounds <= 0 or not math.isfinite(accepted_per_round):
       return self.strategy
     s = self.settings
