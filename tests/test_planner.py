@@ -78,6 +78,17 @@ def test_switches_are_bounded_and_stay_in_the_class():
     assert control.switches == len(control.log) == min(bound, 2)
     assert all(s.precision == "exact" for s in ran)
     assert FAST_APPROX not in ran
+  # Random traces over contexts that cross buckets where the other class ranks first.
+  rng = np.random.default_rng(0)
+  profile = make_profile({(256, 1): {A: (5.0, 1.0), B: (4.0, 1.0), FAST_APPROX: (9.0, 0.1)},
+                          (4096, 1): {C: (5.0, 1.0), T: (4.0, 1.0), FAST_APPROX: (9.0, 0.1)}})
+  for seed in range(20):
+    planner = Planner(profile, "exact", Refinement(warmup_rounds=4, patience=1, max_switches=2))
+    control = planner.controller(100, 1)
+    for context in np.sort(rng.integers(100, 8000, 60)):
+      assert control.strategy.precision == "exact"
+      control.observe(int(rng.integers(1, 9)), float(rng.uniform(0.5, 6.0)), int(context))
+    assert control.switches <= 2 and sum(e["reason"] == "fall" for e in control.log) <= 2
   # The approximate class alone: its one strategy, never an exact one, whatever the trace.
   planner = Planner(make_profile(ONE_BUCKET), "approx", SETTINGS)
   control, ran = run_trace(planner, [0.5] * 50)
@@ -98,8 +109,9 @@ def test_goes_back_to_the_best_strategy_it_tried_when_that_beats_the_untried():
 
 
 def test_replans_when_the_context_crosses_into_another_bucket():
-  profile = make_profile({(256, 1): {A: (5.0, 1.0), B: (4.0, 1.0)},
-                          (4096, 1): {A: (5.0, 2.0), B: (4.0, 1.0), T: (3.0, 1.0)},
+  profile = make_profile({(256, 1): {A: (5.0, 1.0), B: (4.0, 1.0), FAST_APPROX: (9.0, 0.1)},
+                          (4096, 1): {A: (5.0, 2.0), B: (4.0, 1.0), T: (3.0, 1.0),
+                                      FAST_APPROX: (9.0, 0.1)},
                           (4096, 8): {T: (3.0, 0.1), A: (5.0, 1.0)}})
   planner = Planner(profile, "exact", SETTINGS)
   assert planner.controller(100, 1).strategy == A
@@ -182,6 +194,8 @@ def test_a_broken_or_missing_file_is_one_line(tmp_path):
     Profile.load(tmp_path / "absent.json")
   with pytest.raises(ValueError, match="choose one"):
     Planner(make_profile(ONE_BUCKET))   # two classes: the caller must pick
+  with pytest.raises(ValueError, match="no bucket of the profile measures a strategy of precision"):
+    Planner(make_profile({(64, 1): {A: (5.0, 1.0)}}), "approx")   # defined, never measured
 
 
 def test_tally_keeps_each_strategy_apart():

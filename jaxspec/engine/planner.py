@@ -256,6 +256,8 @@ class Profile:
                              f"numbers, got {acc!r} and {sec!r}")
         entries.append((key, Expectation(float(acc), float(sec))))
       buckets.append(Bucket(b["context"], b["batch"], tuple(entries)))
+    if not isinstance(d.get("meta", {}), dict):
+      raise ProfileError("'meta' must be an object")
     return cls(strategies, tuple(buckets), dict(d.get("meta", {})))
 
   @classmethod
@@ -323,6 +325,9 @@ class Planner:
     self.profile, self.precision, self.refinement = profile, precision, refinement
     self.buckets = tuple(b for b in profile.buckets if any(
         profile.strategies[k].precision == precision for k, _ in b.entries))
+    if not self.buckets:
+      raise ValueError(f"no bucket of the profile measures a strategy of precision class "
+                       f"{precision!r}")
 
   @classmethod
   def load(cls, path: str | os.PathLike, precision: str | None = None,

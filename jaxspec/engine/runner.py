@@ -25,6 +25,10 @@ Tensor parallelism: `Runner(model, tp=N)` places the model (and the draft model)
 N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned by XLA, with the
 attention kernels under `shard_map`. A model loaded with `load_model(..., tp=N)` is already placed.
 
+Adaptive speculation: `Runner(model, planner=Planner.load(profile))` lets a planner
+(`jaxspec.engine.planner`) choose among self-drafting strategies (method, gamma, sparsity, tree) and
+switch the state between them at chunk boundaries in `generate` and `serve`.
+
 KV offload: `Runner(..., method="sts", kv_offload="prefetch")` (or "on_demand") keeps the target's
 KV cache in host memory and copies each round's selected rows to the device
 (`jaxspec.engine.offload`); `generate` and `time_phases` run so, `serve` does not.
