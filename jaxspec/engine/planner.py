@@ -79,8 +79,8 @@ class Strategy:
       raise ValueError(f"a strategy's sparsity must be in (0, 1], got {self.sparsity!r}")
     object.__setattr__(self, "sparsity", float(self.sparsity))
     if self.tree is not None:
-      if isinstance(self.tree, (str, bytes)) or not all(
-          isinstance(w, int) and w >= 1 for w in self.tree) or not self.tree:
+      if not isinstance(self.tree, (tuple, list)) or not self.tree or not all(
+          isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in self.tree):
         raise ValueError(f"a strategy's tree must be positive widths per depth, got {self.tree!r}")
       object.__setattr__(self, "tree", tuple(self.tree))
       if self.gamma != len(self.tree):
