@@ -47,12 +47,17 @@ drafts with --draft_model and verifies each KV head over the top-k keys of its m
 (`sts@256`: budget k = 256, default --sts_budget; --sts_block pages; head map from --sts_map, made
 for that budget, else proportional). SpecAttn and STS CHANGE the output (approximate
 verification): their tok/s are not a lossless method's.
+--plan=PROFILE.json (a profile from `python -m benchmarks.plan_profile`) adds two rows after the
+--methods: `static-best`, the profile's best strategy for the batch's context bucket and batch size
+(re-chosen when the context crosses a bucket, never refined at run time), and `plan`, the same
+planner with run-time refinement (`jaxspec.engine.planner`); both over the same stream.
 --tp=N shards the model (and the draft model) over N devices (`jaxspec.model.sharding`); the
 copy ceiling in the JSON is still one device's. --disaggregate (short and long workloads) prefills
 the refills on a second device while the first one decodes (`Runner.serve`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -135,6 +140,9 @@ _PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existi
 _OUT = flags.DEFINE_string("out", None,
                            "JSON path (default benchmarks/out/throughput_<workload>.json)")
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: devices to shard the model over")
+_PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.plan_profile): add "
+                            "rows static-best and plan (run-time refinement); not with "
+                            "--workload=scale")
 _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a second device "
                                   "while the first one decodes (short and long workloads)")
 
@@ -335,8 +343,9 @@ def summary_table(rows: list[dict], ignore_eos: bool) -> str:
     xd = (r["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"] if base
           else float("nan"))
     share, stopped = r.get("distinct_4gram_share_mean"), r.get("stopped_share")
+    g = "-" if r.get("gamma") is None or r["method"] == "none" else r["gamma"]   # plan: switches
     lines.append(
-        f"{label:<{width}} {r['gamma'] if r['method'] != 'none' else '-':>2} "
+        f"{label:<{width}} {g:>2} "
         f"{r['tokens_per_s']:>8.0f} {x:>6.2f} {r['decode_only_tokens_per_s']:>12.0f} {xd:>6.2f} "
         f"{r.get('mean_accepted_tokens', 1.0):>9.2f} "
         f"{'-' if share is None else f'{share:.3f}':>9} "
@@ -365,6 +374,15 @@ def main(argv):
     make_mesh(_TP.value)   # too few devices: one line before anything loads
   except ValueError as e:
     cli.fail(prog, str(e))
+  planner = None
+  if _PLAN.value:
+    if workload == "scale":
+      cli.fail(prog, "--plan needs real prompts and acceptance: not with --workload=scale")
+    from jaxspec.engine import planner as planning
+    try:
+      planner = planning.Planner.load(_PLAN.value)
+    except (OSError, ValueError) as e:
+      cli.fail(prog, str(e))
   backend = default_backend()
   out_path = _OUT.value or f"benchmarks/out/throughput_{workload}.json"
   sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
@@ -404,11 +422,21 @@ def main(argv):
                 prompt_tokens=dict(min=min(map(len, prompts)), max=max(map(len, prompts))))
   capacity_len = max(len(p) for p in prompts) + max_new
   rows = []
-  for entry in _METHODS.value:
-    method, ratio, g = parse_entry(entry)
+  entries = list(_METHODS.value) + (["static-best", "plan"] if planner else [])
+  for entry in entries:
     outputs = {}
     try:
-      runner = make_runner(loaded.model, draft_model, entry, sampling, stop_ids, backend)
+      if entry in ("static-best", "plan"):
+        # static-best: the profile's choice per bucket, never refined (no switches allowed).
+        refine = planner.refinement if entry == "plan" else dataclasses.replace(
+            planner.refinement, max_switches=0)
+        runner = Runner(loaded.model, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
+                        sampling=sampling, stop_ids=stop_ids, backend=backend,
+                        planner=planning.Planner(planner.profile, planner.precision, refine))
+        ratio = None
+      else:
+        ratio = parse_entry(entry)[1]
+        runner = make_runner(loaded.model, draft_model, entry, sampling, stop_ids, backend)
       row, state = runner.serve(prompts, _BATCH.value, max_new, max_len=capacity_len,
                                 chunk=_CHUNK.value, warmup_s=_WARMUP.value,
                                 measure_s=_MEASURE.value, seed=_SEED.value, stagger=_STAGGER.value,
@@ -416,7 +444,7 @@ def main(argv):
       row.update(method=entry, label=eos_label(entry, ignore_eos), sparsity=ratio)
       # Repetition is judged on the text, whatever the stop rule: a trailing EOS counts as ended.
       row.update(repetition_summary(outputs, loaded.stop_ids))
-      if _PROFILE.value and runner.speculative:
+      if _PROFILE.value and runner.speculative and runner.planner is None:
         # Phase shares on the serving batch as it stands at the end (steady state, mixed lengths).
         _, row["phases"] = phase_times(runner, state)
       state = None

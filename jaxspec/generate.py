@@ -11,6 +11,7 @@
       --draft_model=qwen2.5-coder-0.5b --sts_budget=256 --prompt "..."   # changes the output
   python -m jaxspec.generate --method=vegas --tree=2,2,1,1 --prompt "..."   # a draft tree
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --tp=2 --prompt "..."   # two devices
+  python -m jaxspec.generate --plan=plan.json --prompt "..."   # strategies chosen as it decodes
 
 Text goes to stdout (streamed per chunk of decode steps for a single prompt; for a batch, each
 completion is printed when it finishes), one stats line to stderr. Speculative methods are
@@ -25,6 +26,10 @@ verification; see jaxspec/drafting/specattn.py). Its layer map is read from besi
 --sts_budget keys its mapped draft head attended to most (see jaxspec/drafting/sts.py), so the text
 is that masked model's. Its head map is --sts_map, else the one `python -m jaxspec.sts_map` saved
 beside the model for this draft model and budget, else the proportional map.
+--plan=PROFILE.json (from `python -m benchmarks.plan_profile`) lets the planner choose the
+self-drafting strategy (method, gamma, sparsity, tree) per context bucket and switch between
+chunks when acceptance stays below the profile's expectation (`jaxspec.engine.planner`); it
+replaces --method, --gamma, --sparsity and --tree.
 Bad flags fail with one line before the model loads; Ctrl-C exits with status 130 and one line.
 """
 from __future__ import annotations
@@ -95,6 +100,11 @@ _TREE = flags.DEFINE_list("tree", None, "draft a tree of these widths per depth 
                           "one pass; default: a chain of --gamma")
 _TREE_ORDER = flags.DEFINE_enum("tree_order", "bfs", ["bfs", "dfs"],
                                 "the order --tree's nodes are verified in")
+_PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.plan_profile): the "
+                            "planner picks and switches the self-drafting strategy; replaces "
+                            "--method, --gamma, --sparsity and --tree")
+_PLAN_CLASS = flags.DEFINE_string("plan_class", None, "--plan: the precision class to plan in "
+                                  "(default: the profile's only one)")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "fraction of the KV cache drafts attend to")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas criticality scores")
@@ -216,9 +226,25 @@ def check_flags() -> SamplingParams:
       if _TP.value != 1:
         raise ValueError("--method=sts runs on one device (no --tp yet)")
     requests.check_count("--tp", _TP.value)
+    if _PLAN.value is not None:
+      given = [f"--{name}" for name in ("method", "gamma", "sparsity", "tree")
+               if flags.FLAGS[name].present]
+      if given:
+        raise ValueError(f"--plan chooses the strategy: drop {', '.join(given)}")
   except ValueError as e:
     fail(str(e))
   return sampling
+
+
+def load_planner():
+  """The --plan profile's planner (None without --plan); a bad profile fails in one line."""
+  if _PLAN.value is None:
+    return None
+  from jaxspec.engine.planner import Planner
+  try:
+    return Planner.load(_PLAN.value, _PLAN_CLASS.value)
+  except (OSError, ValueError) as e:
+    fail(str(e))
 
 
 def specattn_layers(target, draft) -> tuple[int, ...] | None:
@@ -255,6 +281,7 @@ def main(argv):
   del argv
   cli.quiet_logging()
   sampling = check_flags()
+  planner = load_planner()
   prompts = read_prompts()
   from jaxspec.engine.runner import Runner
   from jaxspec.io.loading import apply_chat_template, check_draft_pair, load_model
@@ -285,7 +312,8 @@ def main(argv):
                     draft_model=draft and draft.model, sampling=sampling, stop_ids=stop_ids,
                     cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value,
                     top_p_attn=_TOP_P_ATTN.value, layer_map=layer_map, attn_cap=_ATTN_CAP.value,
-                    sts_budget=_STS_BUDGET.value, sts_block=_STS_BLOCK.value, head_map=head_map)
+                    sts_budget=_STS_BUDGET.value, sts_block=_STS_BLOCK.value, head_map=head_map,
+                    planner=planner)
     outputs, stats = runner.generate(ids, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
                                      seed=_SEED.value, on_chunk=streamer)
   except ValueError as e:

@@ -122,3 +122,46 @@ def test_draft_model_flags_go_together(tmp_path, args, message):
   res = run_cli(f"--model={tmp_path / 'never-loaded'}", "--prompt=hi", *args)
   assert res.returncode != 0
   assert message in res.stderr.strip().splitlines()[-1]
+
+
+def _plan_file(tmp_path, **drop):
+  """A planner profile for SmolLM2: two vegas strategies in one bucket (minus the fields in
+  `drop`)."""
+  from jaxspec.engine.planner import Bucket, Expectation, Profile, Strategy
+  a, b = Strategy("vegas", 3, 0.07), Strategy("vegas", 2, 0.1)
+  d = Profile({a.key: a, b.key: b}, (Bucket(8192, 1, ((a.key, Expectation(3.0, 0.01)),
+                                                      (b.key, Expectation(2.5, 0.01)))),)).to_json()
+  for field in drop:
+    del d[field]
+  path = tmp_path / "plan.json"
+  path.write_text(__import__("json").dumps(d))
+  return path
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--method=vegas"], "--plan chooses the strategy: drop --method"),
+    (["--gamma=4", "--sparsity=0.1"], "--plan chooses the strategy: drop --gamma, --sparsity"),
+])
+def test_plan_flags_fail_in_one_line(tmp_path, extra, message):
+  res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", f"--plan={_plan_file(tmp_path)}",
+                *extra)
+  assert res.returncode == 1
+  assert res.stderr == f"jaxspec.generate: error: {message}\n"
+
+
+def test_plan_a_bad_profile_fails_in_one_line_before_the_model_loads(tmp_path):
+  bad = _plan_file(tmp_path, buckets=None)
+  res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", f"--plan={bad}")
+  assert res.returncode == 1
+  assert res.stderr == f"jaxspec.generate: error: {bad}: missing field 'buckets'\n"
+  res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", f"--plan={tmp_path / 'absent'}")
+  assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1
+  assert "cannot read profile" in res.stderr
+
+
+def test_plan_generates_with_the_planner(weights_smollm2_ckpt, tmp_path):
+  res = run_cli(f"--model={weights_smollm2_ckpt}", f"--plan={_plan_file(tmp_path)}",
+                "--min_tokens=16", "--max_new_tokens=8", "--prompt=One, two, three, four,")
+  assert res.returncode == 0, res.stderr[-2000:]
+  stats = res.stderr.strip().splitlines()[-1]
+  assert "method plan" in stats and "strategy vegas/g3/r0.07" in stats, stats

@@ -68,6 +68,27 @@ def test_every_request_gets_its_own_tokens(model, draft_model, prompts, alone, m
   assert row["tokens"] > 0 and row["tokens_per_s"] > 0
 
 
+def test_planned_serving_gives_every_request_its_own_tokens(model, prompts, alone):
+  """serve with a planner: the profile's inflated expectation for the chain forces a fall to a
+  (2, 1) tree mid-stream, the state switched at a chunk boundary and later refills prefilled
+  with the tree; every request still gets exactly its greedy tokens."""
+  from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Refinement,
+                                      Strategy)
+  chain, tree = Strategy("vegas", 2, 0.2), Strategy("vegas-all", 2, 0.3, tree=(2, 1))
+  profile = Profile({s.key: s for s in (chain, tree)}, (Bucket(4096, 3, (
+      (chain.key, Expectation(50.0, 1.0)), (tree.key, Expectation(1.0, 0.1)))),))
+  planner = Planner(profile, refinement=Refinement(warmup_rounds=2, patience=1))
+  runner = Runner(model, min_tokens=4, backend="reference", planner=planner)
+  got = {}
+  row, _ = runner.serve(prompts, 3, MAX_NEW, max_len=max(PROMPT_LENS) + MAX_NEW, chunk=2,
+                        warmup_s=0.0, measure_s=1e9,
+                        on_finish=lambda req, tokens: got.setdefault(req, tokens.tolist()))
+  assert [got[i] for i in range(len(prompts))] == alone
+  assert [(e["from"], e["to"], e["reason"]) for e in row["plan_switches"]] == [
+      (chain.key, tree.key, "fall")]
+  assert row["method"] == "plan" and row["plan_strategies"][tree.key]["verify_rounds"] > 0
+
+
 def test_stagger_spreads_the_first_requests(model, prompts, alone):
   """stagger: the first B requests stop at max_new * (i + 1) / B tokens (their greedy tokens are a
   prefix of the request's alone), later ones at max_new."""

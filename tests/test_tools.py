@@ -13,7 +13,7 @@ from jaxspec import fetch
 from subproc import run_module
 
 BENCHMARKS = ["benchmarks.acceptance", "benchmarks.decode", "benchmarks.kernels",
-              "benchmarks.sweep", "benchmarks.throughput"]
+              "benchmarks.plan_profile", "benchmarks.sweep", "benchmarks.throughput"]
 INFO_LINE = re.compile(r"^I\d{4} ", re.M)   # absl's INFO prefix, e.g. 'I1123 14:02:11.5 ...'
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

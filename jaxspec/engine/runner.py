@@ -25,6 +25,10 @@ Tensor parallelism: `Runner(model, tp=N)` places the model (and the draft model)
 N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned by XLA, with the
 attention kernels under `shard_map`. A model loaded with `load_model(..., tp=N)` is already placed.
 
+Adaptive speculation: `Runner(model, planner=Planner.load(profile))` lets a planner
+(`jaxspec.engine.planner`) choose among self-drafting strategies (method, gamma, sparsity, tree) and
+switch the state between them at chunk boundaries in `generate` and `serve`.
+
 KV offload: `Runner(..., method="sts", kv_offload="prefetch")` (or "on_demand") keeps the target's
 KV cache in host memory and copies each round's selected rows to the device
 (`jaxspec.engine.offload`); `generate` and `time_phases` run so, `serve` does not.
@@ -41,6 +45,7 @@ import dataclasses
 import functools
 import sys
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -58,6 +63,7 @@ from jaxspec.drafting.trees import Tree
 from jaxspec.engine.batching import insert_slot
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.offload import OffloadConfig
+from jaxspec.engine.planner import Planner, Strategy, Tally, accepted_per_round, switch_state
 from jaxspec.engine.prefill import prefill
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.speculative import acceptance_summary, speculative_chunk, verify
@@ -121,6 +127,11 @@ def _chunk(graphdefs, params, state, *, steps, config):
   return decode_chunk(target, state, steps, config)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdefs", "config"), donate_argnames=("state",))
+def _switch(graphdefs, state, *, config):
+  return switch_state(state, config)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdefs", "config", "chunk", "max_new_buffer"),
                    donate_argnames=("state",))
 def _extend(graphdefs, params, state, turns, turn_lens, max_new, *, config, chunk, max_new_buffer):
@@ -151,7 +162,10 @@ class Runner:
   per depth ((2, 2, 1, 1): the root's 2 children, 2 each for them, then 1 and 1) or a
   `drafting.trees.Tree`, verified in one pass in `tree_order` ('bfs' or 'dfs'); gamma is then the
   tree's depth (default 6 for a chain); tp: tensor-parallel devices (both models are placed on a
-  mesh of the first tp devices; None: wherever the model already is, the draft model joining it).
+  mesh of the first tp devices; None: wherever the model already is, the draft model joining it);
+  planner: a `jaxspec.engine.planner.Planner` whose strategies (self-drafting method, gamma,
+  sparsity, tree) `generate` and `serve` switch among at chunk boundaries: leave method, gamma,
+  sparsity and tree unset then (one cache, sized for the largest strategy, serves them all).
   Bad arguments raise a one-line ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
@@ -163,7 +177,17 @@ class Runner:
                tree_order: str = "bfs", tp: int | None = None,
                top_p_attn: float = specattn.DEFAULT_TOP_P, layer_map: Sequence[int] | None = None,
                attn_cap: int | None = None, sts_budget: int | None = None, sts_block: int = 1,
-               head_map: "sts_map.HeadMap | None" = None, kv_offload: str = "device"):
+               head_map: "sts_map.HeadMap | None" = None, kv_offload: str = "device",
+               planner: Planner | None = None):
+    self.planner = planner
+    if planner is not None:
+      if method != "none" or gamma is not None or tree is not None or sparsity != 0.07:
+        raise ValueError("with a planner its strategies set method, gamma, sparsity and tree: "
+                         "leave them unset")
+      first = planner.strategies[0]    # what the runner's own settings describe (time_phases)
+      method, sparsity, tree, tree_order = (first.method, first.sparsity, first.tree,
+                                            first.tree_order)
+      gamma = None if tree is not None else first.gamma
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in DRAFT_MODEL_METHODS and draft_model is None:
@@ -230,11 +254,15 @@ class Runner:
 
   @property
   def spare(self) -> int:
-    """Cache slots past max_len that a step needs (the verification's rows)."""
+    """Cache slots past max_len that a step needs (the verification's rows; with a planner, its
+    largest strategy's)."""
+    if self.planner is not None:
+      return self.planner.spare
     return self.gamma + 1 if self.tree is None else self.tree.size
 
-  def config(self, capacity: int) -> RunConfig:
-    """The static run configuration for a cache of `capacity` slots per sequence."""
+  def config(self, capacity: int, strategy: Strategy | None = None) -> RunConfig:
+    """The static run configuration for a cache of `capacity` slots per sequence (`strategy`: a
+    planner's strategy instead of the runner's own method, gamma, sparsity and tree)."""
     drafter = None
     if self.method == "draft":
       drafter = DraftModelDrafter()
@@ -247,9 +275,13 @@ class Runner:
           self.method, ratio=self.sparsity, min_tokens=self.min_tokens,
           k_max=policies.static_k_max(capacity, self.sparsity, self.min_tokens),
           score_kind=self.score_kind, backend=self.backend, mesh=self.mesh))
-    return RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
-                     backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
-                     drafter=drafter, tree=self.tree, offload=self.offload)
+    config = RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
+                       backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
+                       drafter=drafter, tree=self.tree, offload=self.offload)
+    if strategy is None:
+      return config
+    return strategy.run_config(config, min_tokens=self.min_tokens, score_kind=self.score_kind,
+                               mesh=self.mesh)
 
   def _check_context(self, max_len: int) -> None:
     """The target's context is checked by `requests.check_request`; the draft model's here."""
@@ -278,28 +310,55 @@ class Runner:
 
   def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
             max_len: int | None = None, seed: int = 0, max_new_buffer: int | None = None,
-            params=None):
+            params=None, strategy: Strategy | None = None):
     """Prefill: (the state the loops start from, seconds spent compiling, the Batch). max_len
     (prompt + new tokens per sequence) defaults to the longest prompt + max_new_tokens, capped at
     the model's context. `params`: a copy of the models' parameters to prefill with, and so the
-    device to prefill on (default: the runner's own)."""
+    device to prefill on (default: the runner's own). `strategy`: the planner's strategy to
+    start with."""
     max_len = requests.check_request(self.model.cfg, prompts, max_new_tokens, max_len)
     batch = make_batch(prompts, max_new_tokens, max_len, spare=self.spare,
                        max_new_buffer=max_new_buffer)
     self._check_context(max_len)
     args = (self._params if params is None else params, jnp.asarray(batch.prompts),
             jnp.asarray(batch.prompt_lens), jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
-    run, seconds = self._compile(_prefill, *args, config=self.config(batch.capacity),
+    run, seconds = self._compile(_prefill, *args, config=self.config(batch.capacity, strategy),
                                  max_new_buffer=batch.max_new_buffer)
     return run(*args), seconds, batch
 
-  def step(self, state, steps: int):
+  def step(self, state, steps: int, strategy: Strategy | None = None):
     """Up to `steps` decode steps (vanilla) or rounds (speculative) on `state` (donated):
-    (the new state, seconds spent compiling)."""
+    (the new state, seconds spent compiling). `strategy`: a planner's strategy to run them with."""
     capacity = decode_state(state).cache.capacity
     run, seconds = self._compile(_chunk, self._params, state, steps=steps,
-                                 config=self.config(capacity))
+                                 config=self.config(capacity, strategy))
     return run(self._params, state), seconds
+
+  def _follow_plan(self, state: SpecState, control, strategy: Strategy, tally: Tally):
+    """At a chunk boundary: tell the planner's controller what the chunk did and switch the state
+    to the strategy it returns. (state, strategy, seconds spent compiling)."""
+    ds = state.decode
+    hist, rounds, lengths, done = jax.device_get((state.accept_hist, state.rounds,
+                                                  ds.cache.lengths, ds.done))
+    rounds, accepted = tally.chunk(hist, rounds)
+    active = lengths[~done]
+    nxt = control.observe(rounds, accepted, int(active.max() if active.size else lengths.max()))
+    if nxt == strategy:
+      return state, strategy, 0.0
+    tally.close(strategy.key, hist)
+    state, seconds = self.switch(state, nxt)
+    return state, nxt, seconds
+
+  def switch(self, state: SpecState, strategy: Strategy) -> tuple[SpecState, float]:
+    """`state` (donated) made ready for the planner's `strategy` (`planner.switch_state`): (the
+    state, seconds spent compiling). Its acceptance histogram restarts: read it first."""
+    with warnings.catch_warnings():
+      # The plan's index buffer and the histogram change shape, so XLA cannot reuse their donated
+      # buffers (it says so); the caches, which are the point of donating, it reuses.
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      run, seconds = self._compile(_switch, state,
+                                   config=self.config(state.decode.cache.capacity, strategy))
+    return run(state), seconds
 
   def extend(self, state: SpecState, turns: Sequence[Sequence[int]],
              max_new_tokens: int | Sequence[int], *, chunk: int = 1) -> tuple[SpecState, float]:
@@ -364,12 +423,22 @@ class Runner:
     mean_accepted_tokens (per round, incl. the corrected/bonus token), acceptance_by_position
     (gamma floats), verify_rounds (sequence-rounds counted); for 'specattn' and 'sts' also
     kv_kept_share (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`).
+    With a planner: method 'plan', strategy (the last one's key), mean_accepted_tokens and
+    verify_rounds over all of them, plan_strategies (the same per strategy) and plan_switches (the
+    controller's log: round, context, from, to, reason, ema, expected) instead of gamma and
+    acceptance_by_position; the whole batch runs one strategy at a time (the compiled chunk is
+    shared), switched between chunks.
     """
     if chunk is None:
       chunk = 16 if self.speculative else 64
     chunk = requests.check_count("chunk", chunk)
     stats = GenerationStats()
-    state, stats.compile_s, batch = self.start(prompts, max_new_tokens, max_len=max_len, seed=seed)
+    control = strategy = None
+    if self.planner is not None:
+      control = self.planner.controller(max(map(len, prompts), default=0), len(prompts))
+      strategy, tally = control.strategy, Tally()
+    state, stats.compile_s, batch = self.start(prompts, max_new_tokens, max_len=max_len, seed=seed,
+                                               strategy=strategy)
     stats.prompt_tokens = int(batch.prompt_lens.sum())
     t0 = time.perf_counter()
     state = jax.block_until_ready(state)
@@ -385,14 +454,20 @@ class Runner:
     first = int(np.asarray(decode_state(state).num_new).sum())
     if not done:   # compile the chunk before the clock starts
       stats.compile_s += self._compile(_chunk, self._params, state, steps=chunk,
-                                       config=self.config(batch.capacity))[1]
+                                       config=self.config(batch.capacity, strategy))[1]
     t0 = time.perf_counter()
+    compiling = 0.0   # a strategy the planner switches to compiles on first use: not decode time
     while not done:
-      state, _ = self.step(state, chunk)
+      state, seconds = self.step(state, chunk, strategy)
+      compiling += seconds
       stats.rounds += 0 if self.speculative else chunk
       done = report(state)
+      if control is not None and not done:
+        state, strategy, seconds = self._follow_plan(state, control, strategy, tally)
+        compiling += seconds
     jax.block_until_ready(state)
-    stats.decode_s = time.perf_counter() - t0
+    stats.decode_s = time.perf_counter() - t0 - compiling
+    stats.compile_s += compiling
     ds = decode_state(state)
     tokens, num_new = jax.device_get((ds.tokens, ds.num_new))
     stats.new_tokens = int(num_new.sum())
@@ -406,6 +481,16 @@ class Runner:
           gamma=self.gamma, mean_accepted_tokens=round(acc["mean_accepted_tokens"], 4),
           acceptance_by_position=[round(p, 4) for p in acc["acceptance_by_position"]],
           verify_rounds=acc["verify_rounds"])
+    if control is not None:   # acceptance per strategy: their histograms differ in width
+      tally.close(strategy.key, hist)
+      plan = tally.summary()
+      for k in ("gamma", "acceptance_by_position"):
+        stats.extra.pop(k)
+      total = plan.pop("all")
+      stats.extra.update(method="plan", strategy=strategy.key,
+                         mean_accepted_tokens=total["mean_accepted_tokens"],
+                         verify_rounds=total["verify_rounds"], plan_strategies=plan,
+                         plan_switches=control.log)
     if self.method in ("specattn", "sts"):
       stats.extra["kv_kept_share"] = round(specattn.SpecAttnDrafter.kept_share(state.drafter), 4)
     return [tokens[i, :num_new[i]].tolist() for i in range(len(prompts))], stats
@@ -413,10 +498,11 @@ class Runner:
   # -- continuous batching -----------------------------------------------------------------------
 
   def _prefill_one(self, prompt, max_new: int, max_len: int, seed: int, budget: int | None = None,
-                   params=None):
-    state, _, _ = self.start([prompt], budget or max_new, max_len=max_len, seed=seed,
-                             max_new_buffer=max_new, params=params)
-    return state
+                   params=None, strategy: Strategy | None = None):
+    """(a batch-1 prefilled state, seconds spent compiling)."""
+    state, seconds, _ = self.start([prompt], budget or max_new, max_len=max_len, seed=seed,
+                                   max_new_buffer=max_new, params=params, strategy=strategy)
+    return state, seconds
 
   def _prefill_placement(self):
     """(the parameters copied onto a prefill device of their own, the decode device), copied once
@@ -451,6 +537,11 @@ class Runner:
     inserted into free slots, and a free slot whose prefill is not finished yet waits (idle) for a
     later boundary instead of stalling the batch. `idle_slot_share` says how much of the window
     slots spent waiting so.
+    With a planner the batch is one request group: one strategy decodes all slots, chosen at each
+    chunk boundary from the longest active context and the batch's acceptance (refills are
+    prefilled with the strategy then running); a strategy first used inside the window compiles
+    there, and that time is left out of the window's seconds (`plan_compile_s`). The result adds
+    `plan_switches` and `plan_strategies`, and the acceptance figures are over all strategies.
     Returns (the measured window's numbers, the final state: a steady-state batch to profile).
     `on_finish(request index, its new tokens)` runs for every request that finishes, warm-up
     included (not for those still running when the window closes). The chunks where some finish
@@ -460,12 +551,23 @@ class Runner:
     if self.offload.on_host:
       raise ValueError(f"serve refills slots of a device cache; kv_offload={self.offload.mode!r} "
                        "is built for generate only")
+    if self.planner is not None and disaggregate:
+      raise ValueError("a planner switches the refills' strategy at chunk boundaries; "
+                       "disaggregated serving prefills ahead of them (not combined yet)")
+    control = strategy = None
+    if self.planner is not None:
+      control = self.planner.controller(max(map(len, prompts[:batch]), default=0), batch)
+      strategy, tally = control.strategy, Tally()
+    compiling = [0.0]
     queue = collections.deque(range(len(prompts)))
     prefill_params, decode_device = self._prefill_placement() if disaggregate else (None, None)
     ahead = collections.deque()    # disaggregated: (request, its state on the prefill device)
 
     def prefill(req, budget=None):
-      return self._prefill_one(prompts[req], max_new, max_len, seed + req, budget, prefill_params)
+      fresh, seconds = self._prefill_one(prompts[req], max_new, max_len, seed + req, budget,
+                                         prefill_params, strategy)
+      compiling[0] += seconds
+      return fresh
 
     def moved(fresh):
       return fresh if decode_device is None else jax.device_put(fresh, decode_device)
@@ -493,7 +595,7 @@ class Runner:
     # at B=64). The placeholder one-token batch only fixes the state's static sizes.
     t_setup = time.perf_counter()
     state, _, _ = self.start([[0]] * batch, max_new, max_len=max_len, seed=seed,
-                             max_new_buffer=max_new)
+                             max_new_buffer=max_new, strategy=strategy)
     slot_req = [queue.popleft() for _ in range(batch)]
     reported = np.zeros(batch, bool)
 
@@ -523,10 +625,13 @@ class Runner:
       for slot in slots:
         on_finish(slot_req[slot], tokens[slot, :num_new[slot]].copy())
 
-    state, _ = self.step(state, chunk)            # compiles the chunk
+    state, _ = self.step(state, chunk, strategy)  # compiles the chunk
     num_new, done, hist = progress(state)
+    plan_hists: dict = {}   # with a planner: the window's histogram per strategy
+    compiling[0] = 0.0
     t_setup = time.perf_counter() - t_setup
-    counted = dict(tokens=0, seconds=0.0, refill_s=0.0, rounds=0, finished=0, idle_slots=0)
+    counted = dict(tokens=0, seconds=0.0, refill_s=0.0, rounds=0, finished=0, idle_slots=0,
+                   compile_s=0.0)
     hist_window = None
     t_start = time.perf_counter()
     measuring, t_measure = False, 0.0
@@ -535,12 +640,14 @@ class Runner:
                disable=not sys.stderr.isatty())
     while True:
       t0 = time.perf_counter()
-      state, _ = self.step(state, chunk)
+      state, step_compile = self.step(state, chunk, strategy)
+      compiling[0] += step_compile
       new_num, done, new_hist = progress(state)   # waits for the chunk
       t1 = time.perf_counter()
       produced = int((new_num - num_new).sum())
       delta_hist = None if new_hist is None else new_hist - hist
       refilled = False
+      run_key = None if strategy is None else strategy.key   # the strategy of this chunk
       finished = np.flatnonzero(done & ~reported)
       counted["finished"] += measuring * len(finished)
       finish(finished, new_num)
@@ -555,6 +662,14 @@ class Runner:
         refilled = True
       idle = int(sum(reported[slot] for slot in free))   # free slots left waiting
       launch_ahead(idle)
+      if control is not None and not done.all():
+        lengths = np.asarray(jax.device_get(decode_state(state).cache.lengths))
+        _, accepted = accepted_per_round(delta_hist[None])
+        nxt = control.observe(chunk, accepted, int(lengths[~done].max()))
+        if nxt != strategy:
+          state, seconds = self.switch(state, nxt)
+          compiling[0] += seconds
+          strategy, refilled = nxt, True
       if refilled:   # refilled slots restart their token counts and acceptance histograms
         new_num, done, new_hist = progress(state)   # waits for the refills
       elif ahead and done.all():
@@ -563,12 +678,16 @@ class Runner:
       t2 = time.perf_counter()
       if measuring:
         counted["tokens"] += produced
-        counted["seconds"] += t2 - t0
-        counted["refill_s"] += t2 - t1
+        counted["seconds"] += t2 - t0 - compiling[0]
+        counted["refill_s"] += t2 - t1 - (compiling[0] - step_compile)
         counted["rounds"] += chunk
         counted["idle_slots"] += idle
-        if delta_hist is not None:
+        counted["compile_s"] += compiling[0]
+        if control is not None:   # widths differ between strategies: one histogram each
+          plan_hists[run_key] = plan_hists.get(run_key, 0) + delta_hist
+        elif delta_hist is not None:
           hist_window = delta_hist if hist_window is None else hist_window + delta_hist
+      compiling[0] = 0.0
       num_new, hist = new_num, new_hist
       elapsed = t2 - t_start
       bar.n = min(elapsed, bar.total)
@@ -593,7 +712,15 @@ class Runner:
                refill_share=refill_s / seconds if seconds else None,
                requests_finished=counted["finished"], disaggregate=disaggregate,
                idle_slot_share=counted["idle_slots"] / (chunks * batch) if chunks else None)
-    if hist_window is not None:
+    if control is not None:
+      for key, h in plan_hists.items():
+        tally.close(key, h[None])
+      plan = tally.summary()
+      total = plan.pop("all")
+      out.update(method="plan", gamma=None, mean_accepted_tokens=total["mean_accepted_tokens"],
+                 verify_rounds=total["verify_rounds"], plan_strategies=plan,
+                 plan_switches=control.log, plan_compile_s=counted["compile_s"])
+    elif hist_window is not None:
       out.update(acceptance_summary(hist_window[None]))
     return out, state
 
