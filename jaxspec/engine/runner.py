@@ -18,8 +18,15 @@ baseline every speedup is measured against); 'draft' drafts with a separate draf
 'specattn' drafts with a draft model and verifies with sparse attention picked by the draft's
 attention (`jaxspec.drafting.specattn`): it CHANGES the output (approximate verification, exact
 with respect to the masked target); 'sts' likewise, each target head reading the top-k keys of its
-mapped draft head (`jaxspec.drafting.sts`), and it CHANGES the output the same way; the rest are
-self-drafting policies (`jaxspec.drafting.policies`).
+mapped draft head (`jaxspec.drafting.sts`), and it CHANGES the output the same way; 'ssv'
+verifies a Native Sparse Attention model under SSV's schedule (`jaxspec.ssv`), drafted by a
+separate draft model or by the NSA model itself: its 'strict' class is lossless, 'reuse',
+'approx' and 'approx_reuse' CHANGE the output; the rest are self-drafting policies
+(`jaxspec.drafting.policies`).
+
+NSA models (`ModelConfig.nsa`) run methods 'none', 'draft' and 'ssv', chains and draft trees (an
+NSA draft model drafts chains only); the self-drafting policies, 'specattn' and 'sts' select KV by
+attention scores, which NSA has no meaning for, and are refused.
 
 Tensor parallelism: `Runner(model, tp=N)` places the model (and the draft model) on a `tp` mesh of
 N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned by XLA, with the
@@ -29,8 +36,8 @@ KV offload: `Runner(..., method="sts", kv_offload="prefetch")` (or "on_demand") 
 KV cache in host memory and copies each round's selected rows to the device
 (`jaxspec.engine.offload`); `generate` and `time_phases` run so, `serve` does not.
 
-Greedy speculative output equals vanilla greedy output exactly in float32 ('specattn' and 'sts'
-excepted: their output is the sparse-attention target's). In bfloat16 the
+Greedy speculative output equals vanilla greedy output exactly in float32 ('specattn', 'sts' and
+the non-strict 'ssv' classes excepted: their output is the approximate verifier's). In bfloat16 the
 verification pass (gamma + 1 rows) and the one-token step round differently, so texts can part
 at near-ties. Sampled output follows the same distribution as vanilla sampling.
 """
@@ -50,6 +57,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxspec import requests
+from jaxspec import ssv as ssv_lib
 from jaxspec.drafting import policies
 from jaxspec.drafting import specattn, sts, sts_prefill
 from jaxspec.drafting.draft_model import DraftModelDrafter
@@ -67,8 +75,11 @@ from jaxspec.model import sharding
 from jaxspec.model.attention import check_backend, default_backend
 from jaxspec.model.transformer import Transformer
 
-METHODS = ("none", "draft", "specattn", "sts", *policies.SELF_DRAFTING)
+METHODS = ("none", "draft", "specattn", "sts", "ssv", *policies.SELF_DRAFTING)
 DRAFT_MODEL_METHODS = ("draft", "specattn", "sts")
+# What an NSA model (ModelConfig.nsa) runs: the others select or mask KV by attention scores,
+# which NSA does not collect.
+NSA_METHODS = ("none", "draft", "ssv")
 DEFAULT_GAMMA = 6
 # Disaggregated serving: prefills kept in flight on the prefill device beyond the free slots, so
 # that slots finishing at the next chunk boundary find theirs ready (each holds a batch-1 cache
@@ -151,7 +162,11 @@ class Runner:
   per depth ((2, 2, 1, 1): the root's 2 children, 2 each for them, then 1 and 1) or a
   `drafting.trees.Tree`, verified in one pass in `tree_order` ('bfs' or 'dfs'); gamma is then the
   tree's depth (default 6 for a chain); tp: tensor-parallel devices (both models are placed on a
-  mesh of the first tp devices; None: wherever the model already is, the draft model joining it).
+  mesh of the first tp devices; None: wherever the model already is, the draft model joining it);
+  ssv_class, ssv_group, refresh: method 'ssv''s class ('strict' by default, lossless; 'reuse',
+  'approx', 'approx_reuse' change the output), rows per merged group (default 1) and, for the
+  reuse classes, the refresh/reuse schedule (one bool per layer, `jaxspec.ssv.load_schedule`),
+  see `jaxspec.ssv.SSVConfig`; method 'ssv' without a draft model drafts with the NSA model itself.
   Bad arguments raise a one-line ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
@@ -163,14 +178,16 @@ class Runner:
                tree_order: str = "bfs", tp: int | None = None,
                top_p_attn: float = specattn.DEFAULT_TOP_P, layer_map: Sequence[int] | None = None,
                attn_cap: int | None = None, sts_budget: int | None = None, sts_block: int = 1,
-               head_map: "sts_map.HeadMap | None" = None, kv_offload: str = "device"):
+               head_map: "sts_map.HeadMap | None" = None, kv_offload: str = "device",
+               ssv_class: str | None = None, ssv_group: int | None = None,
+               refresh: Sequence[bool] | None = None):
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in DRAFT_MODEL_METHODS and draft_model is None:
       raise ValueError(f"method {method!r} needs a draft model (--draft_model)")
-    if method not in DRAFT_MODEL_METHODS and draft_model is not None:
+    if method not in (*DRAFT_MODEL_METHODS, "ssv") and draft_model is not None:
       raise ValueError(f"a draft model was given, but method {method!r} does not use one "
-                       "(use method 'draft', 'specattn' or 'sts')")
+                       "(use method 'draft', 'specattn', 'sts' or 'ssv')")
     if draft_model is not None and draft_model.cfg.vocab_size != model.cfg.vocab_size:
       raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) is not "
                        f"the target's ({model.cfg.vocab_size}): they must share a tokenizer")
@@ -187,16 +204,27 @@ class Runner:
     self.sts = None
     if method == "sts":
       self.sts = sts_config(model, draft_model, sts_budget, sts_block, head_map, tp)
+    self.ssv = None
+    if method == "ssv":
+      self.ssv = ssv_lib.make_config(model, ssv_class, ssv_group, refresh)
+      if draft_model is None:   # self-drafting: the NSA model's own plain decoding drafts
+        draft_model = model
+    elif (ssv_class, ssv_group, refresh) != (None, None, None):
+      raise ValueError(f"ssv_class, ssv_group and refresh are settings of method 'ssv', not "
+                       f"{method!r}")
     self.offload = OffloadConfig(mode=kv_offload)
     if self.offload.on_host and method != "sts":
       raise ValueError(f"kv_offload={kv_offload!r} is built for method 'sts' (its verification "
                        f"reads only the rows its draft picked), not {method!r}")
     self.method = method
     self.tree = requests.check_tree(tree, tree_order, method, gamma)
-    if any(m is not None and m.cfg.nsa is not None for m in (model, draft_model)) and (
-        method not in ("none", "draft") or self.tree is not None):
-      raise ValueError("NSA models run method 'none' or 'draft' with a chain for now (a tree's "
-                       "accepted path needs its compression blocks rewritten, not wired yet)")
+    if any(m is not None and m.cfg.nsa is not None for m in (model, draft_model)):
+      if method not in NSA_METHODS:
+        raise ValueError(f"NSA models run method 'none', 'draft' or 'ssv': {method!r} picks KV "
+                         "by attention scores, which Native Sparse Attention does not collect")
+      if draft_model is not None and draft_model.cfg.nsa is not None and self.tree is not None:
+        raise ValueError("an NSA draft model drafts chains only (a tree level attends over part "
+                         "of the tree's window); use a dense draft model for a draft tree")
     if method == "none":
       self.gamma = 0
     elif self.tree is not None:
@@ -236,7 +264,7 @@ class Runner:
   def config(self, capacity: int) -> RunConfig:
     """The static run configuration for a cache of `capacity` slots per sequence."""
     drafter = None
-    if self.method == "draft":
+    if self.method in ("draft", "ssv"):
       drafter = DraftModelDrafter()
     elif self.method == "specattn":
       drafter = specattn.SpecAttnDrafter(spec=self.specattn)
@@ -249,7 +277,7 @@ class Runner:
           score_kind=self.score_kind, backend=self.backend, mesh=self.mesh))
     return RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                      backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
-                     drafter=drafter, tree=self.tree, offload=self.offload)
+                     drafter=drafter, tree=self.tree, offload=self.offload, ssv=self.ssv)
 
   def _check_context(self, max_len: int) -> None:
     """The target's context is checked by `requests.check_request`; the draft model's here."""
@@ -406,6 +434,8 @@ class Runner:
           gamma=self.gamma, mean_accepted_tokens=round(acc["mean_accepted_tokens"], 4),
           acceptance_by_position=[round(p, 4) for p in acc["acceptance_by_position"]],
           verify_rounds=acc["verify_rounds"])
+    if self.ssv is not None:
+      stats.extra.update(ssv_class=self.ssv.ssv_class, ssv_group=self.ssv.group)
     if self.method in ("specattn", "sts"):
       stats.extra["kv_kept_share"] = round(specattn.SpecAttnDrafter.kept_share(state.drafter), 4)
     return [tokens[i, :num_new[i]].tolist() for i in range(len(prompts))], stats
