@@ -83,9 +83,9 @@ WORKLOADS = [*workloads.WORKLOADS, "scale"]
 DEFAULT_MAX_NEW = {"short": 4096, "long": 1024, "continuation": 1024}
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
-_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn, sts: the draft "
-                                   "model (a jaxspec model spec sharing --model's tokenizer, or "
-                                   "random:<shape>)")
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn, sts, ssv: the "
+                                   "draft model (a jaxspec model spec sharing --model's tokenizer, "
+                                   "or random:<shape>; ssv without one drafts with --model)")
 _WORKLOAD = flags.DEFINE_enum("workload", "short", WORKLOADS, "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
                                          "vegas"],

@@ -180,6 +180,33 @@ def test_calibration_writes_a_schedule_the_runner_loads(target2, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_calibrate_tool_writes_the_schedule_beside_the_model(target2, tmp_path, monkeypatch,
+                                                             capsys):
+  """`python -m jaxspec.ssv_calibrate`'s main on a loaded model (a stand-in loader and tokenizer:
+  no NSA checkpoint or tokenizer exists here), one window of the same shape as above, so the
+  passes it compiles are those of the test before."""
+  import types
+  from jaxspec import ssv_calibrate
+  from jaxspec.io import loading
+
+  class Tokenizer:
+    def encode(self, text, add_special_tokens=True):
+      return [b % CFG.vocab_size for b in text.encode()]
+
+  text = tmp_path / "text.txt"
+  text.write_text("calibration text, long enough for one window of forty-eight tokens.")
+  monkeypatch.setattr(loading, "load_model", lambda spec, dtype: loading.LoadedModel(
+      cfg=target2.cfg, model=target2, tokenizer=Tokenizer(), source=tmp_path))
+  values = dict(model="nsa", text=str(text), windows=1, window_tokens=48, reuse_layers=1,
+                tolerance=None, out=None, dtype="float32")
+  ssv_calibrate.main([], {k: types.SimpleNamespace(value=v) for k, v in values.items()})
+  path = tmp_path / "ssv_schedule.json"
+  assert f"1 reuse layers [1]" in capsys.readouterr().err
+  assert ssv.load_schedule(path, target2) == (True, False)
+  record = json.loads(path.read_text())
+  assert record["name"] == "nsa" and record["steps"][0]["layer"] == 1 and record["windows"] == 1
+
+
 def test_calibration_refuses_bad_input(target2):
   target = target2
   windows = np.zeros((1, 16), np.int32)

@@ -391,7 +391,8 @@ class Runner:
     every chunk (for streaming). stats.extra for speculative methods: method, gamma,
     mean_accepted_tokens (per round, incl. the corrected/bonus token), acceptance_by_position
     (gamma floats), verify_rounds (sequence-rounds counted); for 'specattn' and 'sts' also
-    kv_kept_share (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`).
+    kv_kept_share (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`);
+    for 'ssv' ssv_class and ssv_group.
     """
     if chunk is None:
       chunk = 16 if self.speculative else 64
