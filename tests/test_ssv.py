@@ -21,12 +21,10 @@ from jaxspec.ssv_calibrate import calibrate
 # Selection blocks of 8 tokens, 4 selected (initial, 2 local, and one by importance once a row is
 # past 24 tokens), a window of 8: the prompts of 27 and 40 tokens are sparse in every branch.
 NSA_CFG = NSAConfig(compress_block=4, compress_stride=2, select_block=8, num_selected=4, window=8)
-# Two layers where reuse needs them (a reuse layer and the refresh layer 0); one layer for the
-# exactness tests, which compile the NSA layer many times (CPU compile time grows with layers).
+# Two layers: a reuse layer needs the refresh layer 0 before it.
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1000.0,
                   tie_word_embeddings=True, nsa=NSA_CFG)
-CFG1 = dataclasses.replace(CFG, num_layers=1)
 NEW = 24
 SETTINGS = dict(cache_dtype=jnp.float32, stop_ids=())
 
@@ -60,7 +58,7 @@ def _dense_copy(target):
 
 @pytest.fixture(scope="module")
 def target():
-  return _scaled(init_random(CFG1, dtype=jnp.float32, seed=0), 20.0)
+  return _scaled(init_random(CFG, dtype=jnp.float32, seed=0), 20.0)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +66,9 @@ def draft(target):
   return _dense_copy(target)
 
 
-@pytest.fixture(scope="module")
-def target2():
-  return _scaled(init_random(CFG, dtype=jnp.float32, seed=0), 20.0)
+# Every speculative run below drafts 2 deep (a chain of 2, trees of widths (2, 1)) into caches of
+# one size: their prefills are one program, compiled once (the persistent compilation cache that
+# tests/conftest.py sets up), and each test compiles only its own decode loop.
 
 
 @pytest.fixture(scope="module")
@@ -88,20 +86,21 @@ def plain(target, prompts):
 
 
 def test_strict_ssv_chain_equals_plain_greedy(target, draft, prompts, plain):
-  runner = Runner(target, method="ssv", draft_model=draft, gamma=3, ssv_group=2, **SETTINGS)
+  runner = Runner(target, method="ssv", draft_model=draft, gamma=2, ssv_group=2, **SETTINGS)
   out, stats = runner.generate(prompts, max_new_tokens=NEW)
   assert out == plain
   assert stats.extra["ssv_class"] == "strict" and stats.extra["ssv_group"] == 2
   assert stats.extra["acceptance_by_position"][0] > 0     # drafts were accepted, not only fixed
 
 
-@pytest.mark.parametrize("method, group", [("draft", None), ("ssv", 2)])
+@pytest.mark.parametrize("method, group", [("draft", None), ("ssv", 1)])
 def test_nsa_target_with_a_draft_tree_equals_plain_greedy(target, draft, prompts, plain, method,
                                                           group):
   """A tree of widths (2, 1): accepted paths of depth 1 and 2 are compacted, their compression
   blocks written again (`Transformer.recompress`); then decoding goes on as if the path had been
-  decoded a token at a time. 'draft' verifies with plain NSA (strict SSV with G = 1 is that very
-  plan), 'ssv' strict with merged groups of 2."""
+  decoded a token at a time. 'draft' verifies with plain NSA; strict SSV with G = 1 is that very
+  plan, and compiles to the same program (the second case runs from the compilation cache); G = 2
+  runs over the chain above, and under approx_reuse over this tree below."""
   runner = Runner(target, method=method, draft_model=draft, tree=(2, 1), ssv_group=group,
                   **SETTINGS)
   out, stats = runner.generate(prompts, max_new_tokens=NEW)
@@ -109,11 +108,11 @@ def test_nsa_target_with_a_draft_tree_equals_plain_greedy(target, draft, prompts
   assert min(stats.extra["acceptance_by_position"]) > 0   # some rounds accepted 2 deep
 
 
-def test_reuse_and_approx_run_through_the_engine(target2, prompts):
+def test_reuse_and_approx_run_through_the_engine(target, draft, prompts):
   """approx_reuse (both approximations) over a draft tree: it runs, and its tokens are tokens.
   The verifier is not the NSA model (layer 1 reuses layer 0's blocks, each pair of rows shares
   one selection), so its output may part from the NSA model's greedy decoding."""
-  runner = Runner(target2, method="ssv", draft_model=_dense_copy(target2), tree=(2, 1),
+  runner = Runner(target, method="ssv", draft_model=draft, tree=(2, 1),
                   ssv_class="approx_reuse", ssv_group=2, refresh=(True, False), **SETTINGS)
   assert runner.config(128).ssv.plan().refresh == (True, False)
   out, stats = runner.generate(prompts, max_new_tokens=NEW)
@@ -121,14 +120,12 @@ def test_reuse_and_approx_run_through_the_engine(target2, prompts):
   assert all(0 <= t < CFG.vocab_size for x in out for t in x)
   assert stats.extra["ssv_class"] == "approx_reuse" and stats.extra["mean_accepted_tokens"] >= 1
   # Without a draft model the NSA model drafts for itself (a chain: its drafts are exact NSA).
-  assert Runner(target2, method="ssv", ssv_class="approx").draft_model is target2
+  assert Runner(target, method="ssv", ssv_class="approx").draft_model is target
 
 
-def test_method_settings_refused_in_one_line(target2):
-  target, draft = target2, _dense_copy(target2)
-  dense = init_random(dataclasses.replace(CFG, nsa=None), dtype=jnp.float32)
+def test_method_settings_refused_in_one_line(target, draft):
   cases = [
-      (dict(model=dense, method="ssv"), "dense attention"),
+      (dict(model=draft, method="ssv"), "dense attention"),
       (dict(method="vegas"), "NSA models run method 'none', 'draft' or 'ssv'"),
       (dict(method="sts", draft_model=draft, sts_budget=8), "NSA models run method"),
       (dict(method="ssv", tree=(2, 1)), "an NSA draft model drafts chains only"),
@@ -150,8 +147,7 @@ def test_method_settings_refused_in_one_line(target2):
 # ----------------------------------------------------------------------------------------------
 # The refresh/reuse calibration
 
-def test_calibration_writes_a_schedule_the_runner_loads(target2, tmp_path):
-  target = target2
+def test_calibration_writes_a_schedule_the_runner_loads(target, tmp_path):
   windows = np.random.default_rng(3).integers(0, CFG.vocab_size, (1, 48))
   refresh, steps = calibrate(target, windows, reuse_layers=1, progress=False)
   assert refresh == (True, False) and [s["layer"] for s in steps] == [1]
@@ -180,7 +176,7 @@ def test_calibration_writes_a_schedule_the_runner_loads(target2, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_calibrate_tool_writes_the_schedule_beside_the_model(target2, tmp_path, monkeypatch,
+def test_calibrate_tool_writes_the_schedule_beside_the_model(target, tmp_path, monkeypatch,
                                                              capsys):
   """`python -m jaxspec.ssv_calibrate`'s main on a loaded model (a stand-in loader and tokenizer:
   no NSA checkpoint or tokenizer exists here), one window of the same shape as above, so the
@@ -196,21 +192,20 @@ def test_calibrate_tool_writes_the_schedule_beside_the_model(target2, tmp_path, 
   text = tmp_path / "text.txt"
   text.write_text("calibration text, long enough for one window of forty-eight tokens.")
   monkeypatch.setattr(loading, "load_model", lambda spec, dtype: loading.LoadedModel(
-      cfg=target2.cfg, model=target2, tokenizer=Tokenizer(), source=tmp_path))
+      cfg=target.cfg, model=target, tokenizer=Tokenizer(), source=tmp_path))
   values = dict(model="nsa", text=str(text), windows=1, window_tokens=48, reuse_layers=1,
                 tolerance=None, out=None, dtype="float32")
   ssv_calibrate.main([], {k: types.SimpleNamespace(value=v) for k, v in values.items()})
   path = tmp_path / "ssv_schedule.json"
-  assert f"1 reuse layers [1]" in capsys.readouterr().err
-  assert ssv.load_schedule(path, target2) == (True, False)
+  assert "1 reuse layers [1]" in capsys.readouterr().err
+  assert ssv.load_schedule(path, target) == (True, False)
   record = json.loads(path.read_text())
   assert record["name"] == "nsa" and record["steps"][0]["layer"] == 1 and record["windows"] == 1
 
 
-def test_calibration_refuses_bad_input(target2):
-  target = target2
+def test_calibration_refuses_bad_input(target, draft):
+  dense = draft
   windows = np.zeros((1, 16), np.int32)
-  dense = init_random(dataclasses.replace(CFG, nsa=None), dtype=jnp.float32)
   for model, kwargs, match in [
       (dense, dict(reuse_layers=1), "dense attention"),
       (target, {}, "give --reuse_layers"),
@@ -249,13 +244,11 @@ def _run(module, *args):
                         timeout=300)
 
 
-def test_generate_refuses_ssv_on_a_dense_model(tmp_path):
+def test_generate_refuses_ssv_on_a_dense_model(draft, tmp_path):
   """A dense checkpoint with --method=ssv: one line."""
   from jaxspec.io.weights import checkpoint, flat
-  dense_cfg = dataclasses.replace(CFG, nsa=None)
-  model = init_random(dense_cfg, dtype=jnp.float32)
-  ckpt = checkpoint.save(tmp_path / "dense", dense_cfg,
-                         flat(jax.device_get(nnx.to_pure_dict(nnx.state(model)))))
+  ckpt = checkpoint.save(tmp_path / "dense", draft.cfg,
+                         flat(jax.device_get(nnx.to_pure_dict(nnx.state(draft)))))
   res = _run("jaxspec.generate", f"--model={ckpt}", "--method=ssv", "--prompt=hi")
   assert res.returncode == 1
   assert res.stderr.strip().splitlines() == [
