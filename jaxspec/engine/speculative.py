@@ -58,7 +58,7 @@ def verify(target: Transformer, state: SpecState, drafts: jax.Array,
   """Verification of [last_token, drafts] in one pass, accept/reject, append. The drafter's
   `verify_plan(state)` is the target's attention: full attention for every drafter but SpecAttn's
   and STS's, whose sparse plans make the target an approximation (`jaxspec.drafting.specattn`,
-  `jaxspec.drafting.sts`).
+  `jaxspec.drafting.sts`); with `config.ssv` (method 'ssv') it is SSV's NSA schedule instead.
 
   Returns (state with lengths moved and tokens appended, the verified tokens along the accepted
   path [B, gamma + 1] (root first; the chain's tokens are that path), the scores the drafter asked
