@@ -15,13 +15,16 @@ to --out, by default `ssv_schedule.json` beside the checkpoint, where `--method=
 model's output: the KL in the file says by how much, on this text.
 
 The passes are prefills (every window position a row, the plain NSA plan with the candidate
-schedule), so each candidate schedule compiles once: L - 1 + (L - 2) + ... candidates for L layers.
+schedule), one window at a time, the all-refresh pass beside each candidate's (the reference's
+[T, vocab] log-probabilities are not kept), so each candidate schedule compiles once:
+L - 1 + (L - 2) + ... candidates for L layers, each run over every window.
 No trained NSA weights exist here; the tool runs on whatever NSA model it is given.
 """
 from __future__ import annotations
 
 import functools
 import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,13 +38,20 @@ from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "refresh"))
-def _log_probs(graphdef, params, windows, *, refresh):
-  """windows [N, T] -> log-probabilities [N, T, vocab] f32 of the model under `refresh`."""
+def _window_kl(graphdef, params, window, *, refresh):
+  """window [1, T] -> the mean over its positions of KL(all refresh || `refresh`) of the
+  next-token distributions. One window at a time, both passes in one call: a real model's
+  [T, vocab] log-probabilities are large, so none are kept between calls."""
   model = nnx.merge(graphdef, params)
-  n, t = windows.shape
-  cache = KVCache.create(model.cfg, n, t, jnp.float32)
-  hidden, _, _ = model(windows, cache.chain_positions(t), cache, NSA(refresh=refresh))
-  return jax.nn.log_softmax(model.logits(hidden), axis=-1)
+  t = window.shape[1]
+
+  def log_probs(schedule):
+    cache = KVCache.create(model.cfg, 1, t, jnp.float32)
+    hidden, _, _ = model(window, cache.chain_positions(t), cache, NSA(refresh=schedule))
+    return jax.nn.log_softmax(model.logits(hidden), axis=-1)
+
+  reference = log_probs(None)
+  return jnp.mean(jnp.sum(jnp.exp(reference) * (reference - log_probs(refresh)), axis=-1))
 
 
 def check_stop(num_layers: int, reuse_layers: int | None, tolerance: float | None) -> int:
@@ -76,14 +86,9 @@ def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | No
     raise ValueError(f"calibration windows must be [N, T] token ids, got shape {windows.shape}")
   graphdef, params = nnx.split(model)
 
-  def log_probs(refresh):
-    return _log_probs(graphdef, params, windows, refresh=tuple(refresh))
-
-  reference = log_probs((True,) * num_layers)
-  p_ref = jnp.exp(reference)
-
   def kl(refresh) -> float:
-    return float(jnp.mean(jnp.sum(p_ref * (reference - log_probs(refresh)), axis=-1)))
+    return float(np.mean([_window_kl(graphdef, params, w[None], refresh=tuple(refresh))
+                          for w in windows]))
 
   refresh, steps = [True] * num_layers, []
   total = sum(num_layers - 1 - k for k in range(most))
