@@ -46,7 +46,11 @@ the mass, default --top_p_attn; layer map from --specattn_map, else proportional
 drafts with --draft_model and verifies each KV head over the top-k keys of its mapped draft head
 (`sts@256`: budget k = 256, default --sts_budget; --sts_block pages; head map from --sts_map, made
 for that budget, else proportional). SpecAttn and STS CHANGE the output (approximate
-verification): their tok/s are not a lossless method's.
+verification): their tok/s are not a lossless method's. Method `ssv` (an NSA --model) verifies
+under SSV's schedule, drafted by --draft_model or, without one, by the NSA model itself:
+`ssv@approx` runs that class, `ssv@approx_reuse.2` that class with groups of 2 rows (default
+--ssv_class, --ssv_group; reuse classes read --ssv_schedule). Its reuse and approx classes CHANGE
+the output; strict is lossless.
 --plan=PROFILE.json (a profile from `python -m benchmarks.plan_profile`) adds two rows after the
 --methods: `static-best`, the profile's best strategy for the batch's context bucket and batch size
 (re-chosen when the context crosses a bucket, never refined at run time), and `plan`, the same
@@ -69,7 +73,7 @@ from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, filled_state,
                                git_commit, kernel_table, load, repetition_summary, time_fn,
                                write_json)
-from jaxspec import cli, requests
+from jaxspec import cli, requests, ssv
 from jaxspec.drafting.draft_model import DraftModelState
 from jaxspec.drafting.specattn import DEFAULT_TOP_P, SpecAttnState
 from jaxspec.engine.runner import DRAFT_MODEL_METHODS
@@ -84,9 +88,9 @@ WORKLOADS = [*workloads.WORKLOADS, "scale"]
 DEFAULT_MAX_NEW = {"short": 4096, "long": 1024, "continuation": 1024}
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec, or random:<shape>")
-_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn, sts: the draft "
-                                   "model (a jaxspec model spec sharing --model's tokenizer, or "
-                                   "random:<shape>)")
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn, sts, ssv: the "
+                                   "draft model (a jaxspec model spec sharing --model's tokenizer, "
+                                   "or random:<shape>; ssv without one drafts with --model)")
 _WORKLOAD = flags.DEFINE_enum("workload", "short", WORKLOADS, "see module doc")
 _METHODS = flags.DEFINE_list("methods", ["none", "streaming", "quest", "specextend", "vegas-all",
                                          "vegas"],
@@ -108,6 +112,12 @@ _STS_BUDGET = flags.DEFINE_integer("sts_budget", 256, "sts: keys per target KV h
 _STS_BLOCK = flags.DEFINE_integer("sts_block", 1, "sts: tokens per page (1: token granularity)")
 _STS_MAP = flags.DEFINE_string("sts_map", None, "sts: head map JSON from jaxspec.sts_map, made for "
                                "the entry's budget (default: the proportional map)")
+_SSV_CLASS = flags.DEFINE_string("ssv_class", "strict", "ssv: strict (lossless), reuse, approx or "
+                                 "approx_reuse (these CHANGE the output; ssv@class overrides it)")
+_SSV_GROUP = flags.DEFINE_integer("ssv_group", 1, "ssv: rows per merged group (ssv@class.G "
+                                  "overrides it)")
+_SSV_SCHEDULE = flags.DEFINE_string("ssv_schedule", None, "ssv reuse classes: the refresh/reuse "
+                                    "schedule JSON from jaxspec.ssv_calibrate")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
 _BATCH = flags.DEFINE_integer("batch", 64, "decode slots")
@@ -159,6 +169,8 @@ def parse_entry(entry: str) -> tuple[str, float, int]:
   method, _, ratio = name.partition("@")
   table = dict(item.split("=") for item in _GAMMAS.value)
   gamma = own_gamma or table.get(entry, table.get(method, table.get("default", 4)))
+  if method == "ssv":   # ssv@class.G names a class, not a ratio (`ssv_entry`)
+    return method, _SPARSITY.value, int(gamma)
   default = {"specattn": _TOP_P_ATTN.value, "sts": _STS_BUDGET.value}.get(method, _SPARSITY.value)
   return method, float(ratio) if ratio else default, int(gamma)
 
@@ -176,6 +188,22 @@ def entry_tree(entry: str) -> tuple[str, tuple[int, ...] | None]:
   if _TREE.value and base.partition(":")[0].partition("@")[0] != "none":
     return base, tuple(int(w) for w in _TREE.value)
   return base, None
+
+
+def ssv_entry(entry: str) -> tuple[str, int]:
+  """An ssv entry's (class, group): 'ssv' takes --ssv_class and --ssv_group, 'ssv@approx' its
+  own class, 'ssv@approx.2' its own class and group. One-line ValueError on a bad one."""
+  name = entry_tree(entry)[0].partition(":")[0]
+  spec = name.partition("@")[2]
+  cls, _, group = spec.partition(".")
+  cls = ssv.check_class(cls or _SSV_CLASS.value, f"{entry!r}: the SSV class")
+  if not group:
+    return cls, ssv.check_group(_SSV_GROUP.value, "--ssv_group")
+  try:
+    return cls, ssv.check_group(int(group), f"{entry!r}: the SSV group")
+  except ValueError:
+    raise ValueError(f"{entry!r}: an ssv entry is ssv, ssv@class or ssv@class.G with G a "
+                     "positive integer") from None
 
 
 def phase_times(runner: Runner, state):
@@ -201,11 +229,19 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
       from jaxspec.sts_map import load_map
       head_map = load_map(_STS_MAP.value, model, draft_model, budget)
     settings = dict(sts_budget=budget, sts_block=_STS_BLOCK.value, head_map=head_map)
+  elif method == "ssv":
+    cls, group = ssv_entry(entry)
+    refresh = None
+    if cls in ssv.REUSE_CLASSES:
+      if not _SSV_SCHEDULE.value:
+        raise ValueError(f"{entry!r}: ssv class {cls} needs --ssv_schedule")
+      refresh = ssv.load_schedule(_SSV_SCHEDULE.value, model)
+    settings = dict(ssv_class=cls, ssv_group=group, refresh=refresh)
   else:
     settings = dict(sparsity=ratio)
   return Runner(model, method=method, gamma=None if widths else g,
                 min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                draft_model=draft_model if method in DRAFT_MODEL_METHODS else None,
+                draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
                 sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
                 tree_order=_TREE_ORDER.value, **settings)
 
@@ -220,7 +256,7 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
   if not runner.speculative:
     return ds
   config = runner.config(cap)
-  if runner.method in DRAFT_MODEL_METHODS:
+  if runner.draft_model is not None:   # a draft model's methods, and ssv (drafted by itself too)
     drafter = DraftModelState(cache=filled_state(runner.draft_model.cfg, batch, context - 1, cap,
                                                  steps_total, seed=1, mesh=mesh).cache,
                               prev_token=jnp.ones((batch,), jnp.int32))

@@ -10,6 +10,8 @@
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --method=sts \
       --draft_model=qwen2.5-coder-0.5b --sts_budget=256 --prompt "..."   # changes the output
   python -m jaxspec.generate --method=vegas --tree=2,2,1,1 --prompt "..."   # a draft tree
+  python -m jaxspec.generate --model=my-nsa-model --method=ssv --ssv_class=strict --ssv_group=2 \
+      --draft_model=my-draft --tree=2,2,1 --prompt "..."   # an NSA model, SSV verification
   python -m jaxspec.generate --model=qwen2.5-coder-1.5b --tp=2 --prompt "..."   # two devices
   python -m jaxspec.generate --plan=plan.json --prompt "..."   # strategies chosen as it decodes
 
@@ -26,6 +28,12 @@ verification; see jaxspec/drafting/specattn.py). Its layer map is read from besi
 --sts_budget keys its mapped draft head attended to most (see jaxspec/drafting/sts.py), so the text
 is that masked model's. Its head map is --sts_map, else the one `python -m jaxspec.sts_map` saved
 beside the model for this draft model and budget, else the proportional map.
+--method=ssv needs a Native Sparse Attention model: it verifies under SSV's schedule, drafted by
+--draft_model or, without one, by the NSA model's own plain decoding (jaxspec/ssv.py). Its class
+strict is lossless; reuse, approx and approx_reuse CHANGE the output (reuse layers copy another
+layer's selected blocks; approx shares one selection per group of rows). The reuse classes read
+the refresh/reuse schedule from --ssv_schedule, else the one `python -m jaxspec.ssv_calibrate`
+saved beside the model.
 --plan=PROFILE.json (from `python -m benchmarks.plan_profile`) lets the planner choose the
 self-drafting strategy (method, gamma, sparsity, tree) per context bucket and switch between
 chunks when acceptance stays below the profile's expectation (`jaxspec.engine.planner`); it
@@ -41,12 +49,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from jaxspec import cli, requests, sts_map
+from jaxspec import cli, requests, ssv, sts_map
 from jaxspec.drafting import policies, specattn
 from jaxspec.engine.sampling import SamplingParams
 
 # jaxspec.engine.runner.METHODS.
-METHODS = ("none", "draft", "specattn", "sts", *policies.SELF_DRAFTING)
+METHODS = ("none", "draft", "specattn", "sts", "ssv", *policies.SELF_DRAFTING)
 DRAFT_MODEL_METHODS = ("draft", "specattn", "sts")
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m",
@@ -72,12 +80,24 @@ _METHOD = flags.DEFINE_enum("method", "none", list(METHODS),
                             "verification); sts = a --draft_model drafts and each of its heads "
                             "picks the keys a head of the model verifies with (CHANGES the "
                             "output likewise); the rest draft with the model itself over a KV "
-                            "selection. All but specattn and sts are lossless (greedy output "
-                            "equals vanilla's exactly in float32; in bfloat16 it can part at a "
-                            "near-tie)")
-_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn, sts: the draft "
-                                   "model (any --model spec with the same tokenizer), e.g. "
-                                   "qwen2.5-coder-0.5b")
+                            "selection; ssv = an NSA model verifies under SSV's schedule "
+                            "(--ssv_class), drafted by --draft_model or by itself. All but "
+                            "specattn, sts and ssv's reuse/approx classes are lossless (greedy "
+                            "output equals vanilla's exactly in float32; in bfloat16 it can part "
+                            "at a near-tie)")
+_DRAFT_MODEL = flags.DEFINE_string("draft_model", None, "methods draft, specattn, sts, ssv: the "
+                                   "draft model (any --model spec with the same tokenizer), e.g. "
+                                   "qwen2.5-coder-0.5b; ssv without one drafts with the model")
+_SSV_CLASS = flags.DEFINE_string("ssv_class", None, "ssv: strict (default; lossless: the exact "
+                                 "merged schedule), reuse (+ refresh/reuse layers), approx (+ a "
+                                 "shared index per group of rows) or approx_reuse (both); reuse "
+                                 "and approx CHANGE the model's output")
+_SSV_GROUP = flags.DEFINE_integer("ssv_group", None, "ssv: G, verification rows per merged group "
+                                  "(default 1; strict output does not depend on it, approx's "
+                                  "does)")
+_SSV_SCHEDULE = flags.DEFINE_string("ssv_schedule", None, "ssv reuse classes: the refresh/reuse "
+                                    "schedule JSON (default: the one python -m "
+                                    "jaxspec.ssv_calibrate saved beside --model)")
 _TOP_P_ATTN = flags.DEFINE_float("top_p_attn", 0.97, "specattn: the draft attention mass each "
                                  "draft row keeps, in (0, 1]; lower = sparser verification and "
                                  "output further from the model's own")
@@ -211,9 +231,21 @@ def check_flags() -> SamplingParams:
                         score_kind=_SCORE.value)
     if _METHOD.value in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is None:
       raise ValueError(f"--method={_METHOD.value} needs --draft_model")
-    if _METHOD.value not in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is not None:
-      raise ValueError(f"--draft_model is only for --method=draft, specattn or sts, not "
+    if _METHOD.value not in (*DRAFT_MODEL_METHODS, "ssv") and _DRAFT_MODEL.value is not None:
+      raise ValueError(f"--draft_model is only for --method=draft, specattn, sts or ssv, not "
                        f"--method={_METHOD.value}")
+    if _METHOD.value == "ssv":
+      cls = ssv.check_class(_SSV_CLASS.value or "strict", "--ssv_class")
+      if _SSV_GROUP.value is not None:
+        ssv.check_group(_SSV_GROUP.value, "--ssv_group")
+      if _SSV_SCHEDULE.value is not None and cls not in ssv.REUSE_CLASSES:
+        raise ValueError(f"--ssv_schedule is for --ssv_class=reuse or approx_reuse, not {cls}")
+      if _TP.value != 1:
+        raise ValueError("--method=ssv runs on one device (no --tp yet)")
+    else:
+      for flag in (_SSV_CLASS, _SSV_GROUP, _SSV_SCHEDULE):
+        if flag.value is not None:
+          raise ValueError(f"--{flag.name} is only for --method=ssv, not --method={_METHOD.value}")
     if _METHOD.value == "specattn":
       specattn.check_top_p(_TOP_P_ATTN.value)
       if _ATTN_CAP.value is not None:
@@ -277,6 +309,21 @@ def sts_head_map(target, draft):
   return sts_map.load_map(path, target.model, draft.model, _STS_BUDGET.value)
 
 
+def ssv_refresh(target) -> tuple[bool, ...] | None:
+  """The refresh/reuse schedule of an ssv reuse class: --ssv_schedule, else the one saved beside
+  the model; None for the other classes. Missing, or made for another model: ValueError."""
+  cls = _SSV_CLASS.value or "strict"
+  if cls not in ssv.REUSE_CLASSES:
+    return None
+  path = _SSV_SCHEDULE.value
+  if path is None:
+    path = ssv.default_schedule_path(target.source)
+    if not path.is_file():
+      raise ValueError(f"--ssv_class={cls} needs --ssv_schedule (no schedule at {path}; python -m "
+                       "jaxspec.ssv_calibrate makes one)")
+  return ssv.load_schedule(path, target.model)
+
+
 def main(argv):
   del argv
   cli.quiet_logging()
@@ -294,6 +341,10 @@ def main(argv):
       check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
     layer_map = specattn_layers(loaded, draft) if _METHOD.value == "specattn" else None
     head_map = sts_head_map(loaded, draft) if _METHOD.value == "sts" else None
+    if _METHOD.value == "ssv" and loaded.model.cfg.nsa is None:
+      raise ValueError(f"--method=ssv verifies a Native Sparse Attention model; {_MODEL.value} has "
+                       "dense attention")
+    refresh = ssv_refresh(loaded) if _METHOD.value == "ssv" else None
   except (OSError, ValueError) as e:
     fail(str(e))
   tok = loaded.tokenizer
@@ -313,7 +364,8 @@ def main(argv):
                     cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value,
                     top_p_attn=_TOP_P_ATTN.value, layer_map=layer_map, attn_cap=_ATTN_CAP.value,
                     sts_budget=_STS_BUDGET.value, sts_block=_STS_BLOCK.value, head_map=head_map,
-                    planner=planner)
+                    planner=planner, ssv_class=_SSV_CLASS.value,
+                    ssv_group=_SSV_GROUP.value, refresh=refresh)
     outputs, stats = runner.generate(ids, max_new_tokens=_MAX_NEW.value, max_len=_MAX_LEN.value,
                                      seed=_SEED.value, on_chunk=streamer)
   except ValueError as e:

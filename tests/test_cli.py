@@ -60,7 +60,13 @@ def test_bad_flags_fail_in_one_line_before_the_model_loads(tmp_path, args, messa
     (["--method=specattn", "--draft_model=x", "--attn_cap=0"], "--attn_cap must be an integer >= 1"),
     (["--method=specattn", "--draft_model=x", "--tree=2,1"], "builds its attention mask from a chain"),
     (["--method=vegas", "--draft_model=x"],
-     "--draft_model is only for --method=draft, specattn or sts"),
+     "--draft_model is only for --method=draft, specattn, sts or ssv"),
+    (["--method=ssv", "--ssv_class=fast"],
+     "--ssv_class must be one of strict, reuse, approx, approx_reuse, got 'fast'"),
+    (["--method=ssv", "--ssv_group=0"], "--ssv_group must be a positive number of verification"),
+    (["--method=ssv", "--ssv_schedule=s.json"], "--ssv_schedule is for --ssv_class=reuse or"),
+    (["--method=draft", "--draft_model=x", "--ssv_group=2"],
+     "--ssv_group is only for --method=ssv, not --method=draft"),
     (["--method=sts"], "--method=sts needs --draft_model"),
     (["--method=sts", "--draft_model=x"], "the STS budget (keys each target head reads per round, "
      "besides the new tokens) must be an integer >= 1, got None"),
@@ -70,7 +76,7 @@ def test_bad_flags_fail_in_one_line_before_the_model_loads(tmp_path, args, messa
     (["--method=sts", "--draft_model=x", "--sts_budget=8", "--tree=2,1"],
      "method 'sts' builds its attention mask from a chain"),
 ])
-def test_bad_specattn_and_sts_flags_fail_in_one_line(tmp_path, args, message):
+def test_bad_specattn_sts_and_ssv_flags_fail_in_one_line(tmp_path, args, message):
   res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", *args)
   assert res.returncode == 1
   assert res.stderr.startswith("jaxspec.generate: error: ") and message in res.stderr, res.stderr

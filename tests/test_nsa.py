@@ -415,7 +415,7 @@ def test_plans_an_nsa_model_refuses(model):
                   tail_start=jnp.zeros((1,), jnp.int32))
   with pytest.raises(ValueError, match="an NSA model runs NSA, Prefill"):
     as_nsa(sparse)
-  with pytest.raises(ValueError, match="NSA models run method 'none' or 'draft'"):
+  with pytest.raises(ValueError, match="NSA models run method 'none', 'draft' or 'ssv'"):
     Runner(model, method="vegas")
-  with pytest.raises(ValueError, match="NSA models run method 'none' or 'draft'"):
+  with pytest.raises(ValueError, match="an NSA draft model drafts chains only"):
     Runner(model, method="draft", draft_model=model, tree=(2, 1))

@@ -20,7 +20,9 @@ class RunConfig:
   attention implementation (`jaxspec.model.attention.BACKENDS`); cache_dtype: a dtype name;
   tree: a draft tree (`jaxspec.drafting.trees.Tree`) verified in one pass instead of a chain, with
   gamma its depth (the most drafts a round accepts); None drafts a chain of gamma; offload: where
-  the target's KV cache lives (`jaxspec.engine.offload`; default on the device).
+  the target's KV cache lives (`jaxspec.engine.offload`; default on the device); ssv: an NSA
+  target's verification schedule (`jaxspec.ssv.SSVConfig`, method 'ssv'; None: plain NSA or
+  dense verification).
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
@@ -31,6 +33,7 @@ class RunConfig:
   drafter: Any = None
   tree: Any = None
   offload: OffloadConfig = OffloadConfig()
+  ssv: Any = None
 
   def __post_init__(self):
     check_backend(self.backend)
@@ -45,6 +48,8 @@ class RunConfig:
                        f"got gamma {self.gamma}")
     if self.offload.on_host and (self.drafter is None or self.tree is not None):
       raise ValueError("an offloaded KV cache is verified in speculative rounds over a chain")
+    if self.ssv is not None and self.drafter is None:
+      raise ValueError("an SSV verification schedule needs a speculative run")
 
   @property
   def speculative(self) -> bool:

@@ -18,8 +18,15 @@ baseline every speedup is measured against); 'draft' drafts with a separate draf
 'specattn' drafts with a draft model and verifies with sparse attention picked by the draft's
 attention (`jaxspec.drafting.specattn`): it CHANGES the output (approximate verification, exact
 with respect to the masked target); 'sts' likewise, each target head reading the top-k keys of its
-mapped draft head (`jaxspec.drafting.sts`), and it CHANGES the output the same way; the rest are
-self-drafting policies (`jaxspec.drafting.policies`).
+mapped draft head (`jaxspec.drafting.sts`), and it CHANGES the output the same way; 'ssv'
+verifies a Native Sparse Attention model under SSV's schedule (`jaxspec.ssv`), drafted by a
+separate draft model or by the NSA model itself: its 'strict' class is lossless, 'reuse',
+'approx' and 'approx_reuse' CHANGE the output; the rest are self-drafting policies
+(`jaxspec.drafting.policies`).
+
+NSA models (`ModelConfig.nsa`) run methods 'none', 'draft' and 'ssv', chains and draft trees (an
+NSA draft model drafts chains only); the self-drafting policies, 'specattn' and 'sts' select KV by
+attention scores, which NSA has no meaning for, and are refused.
 
 Tensor parallelism: `Runner(model, tp=N)` places the model (and the draft model) on a `tp` mesh of
 N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned by XLA, with the
@@ -33,8 +40,8 @@ KV offload: `Runner(..., method="sts", kv_offload="prefetch")` (or "on_demand") 
 KV cache in host memory and copies each round's selected rows to the device
 (`jaxspec.engine.offload`); `generate` and `time_phases` run so, `serve` does not.
 
-Greedy speculative output equals vanilla greedy output exactly in float32 ('specattn' and 'sts'
-excepted: their output is the sparse-attention target's). In bfloat16 the
+Greedy speculative output equals vanilla greedy output exactly in float32 ('specattn', 'sts' and
+the non-strict 'ssv' classes excepted: their output is the approximate verifier's). In bfloat16 the
 verification pass (gamma + 1 rows) and the one-token step round differently, so texts can part
 at near-ties. Sampled output follows the same distribution as vanilla sampling.
 """
@@ -55,6 +62,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxspec import requests
+from jaxspec import ssv as ssv_lib
 from jaxspec.drafting import policies
 from jaxspec.drafting import specattn, sts, sts_prefill
 from jaxspec.drafting.draft_model import DraftModelDrafter
@@ -73,8 +81,11 @@ from jaxspec.model import sharding
 from jaxspec.model.attention import check_backend, default_backend
 from jaxspec.model.transformer import Transformer
 
-METHODS = ("none", "draft", "specattn", "sts", *policies.SELF_DRAFTING)
+METHODS = ("none", "draft", "specattn", "sts", "ssv", *policies.SELF_DRAFTING)
 DRAFT_MODEL_METHODS = ("draft", "specattn", "sts")
+# What an NSA model (ModelConfig.nsa) runs: the others select or mask KV by attention scores,
+# which NSA does not collect.
+NSA_METHODS = ("none", "draft", "ssv")
 DEFAULT_GAMMA = 6
 # Disaggregated serving: prefills kept in flight on the prefill device beyond the free slots, so
 # that slots finishing at the next chunk boundary find theirs ready (each holds a batch-1 cache
@@ -163,6 +174,10 @@ class Runner:
   `drafting.trees.Tree`, verified in one pass in `tree_order` ('bfs' or 'dfs'); gamma is then the
   tree's depth (default 6 for a chain); tp: tensor-parallel devices (both models are placed on a
   mesh of the first tp devices; None: wherever the model already is, the draft model joining it);
+  ssv_class, ssv_group, refresh: method 'ssv''s class ('strict' by default, lossless; 'reuse',
+  'approx', 'approx_reuse' change the output), rows per merged group (default 1) and, for the
+  reuse classes, the refresh/reuse schedule (one bool per layer, `jaxspec.ssv.load_schedule`),
+  see `jaxspec.ssv.SSVConfig`; method 'ssv' without a draft model drafts with the NSA model itself.
   planner: a `jaxspec.engine.planner.Planner` whose strategies (self-drafting method, gamma,
   sparsity, tree) `generate` and `serve` switch among at chunk boundaries: leave method, gamma,
   sparsity and tree unset then (one cache, sized for the largest strategy, serves them all).
@@ -178,7 +193,8 @@ class Runner:
                top_p_attn: float = specattn.DEFAULT_TOP_P, layer_map: Sequence[int] | None = None,
                attn_cap: int | None = None, sts_budget: int | None = None, sts_block: int = 1,
                head_map: "sts_map.HeadMap | None" = None, kv_offload: str = "device",
-               planner: Planner | None = None):
+               planner: Planner | None = None, ssv_class: str | None = None,
+               ssv_group: int | None = None, refresh: Sequence[bool] | None = None):
     self.planner = planner
     if planner is not None:
       if method != "none" or gamma is not None or tree is not None or sparsity != 0.07:
@@ -192,9 +208,9 @@ class Runner:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in DRAFT_MODEL_METHODS and draft_model is None:
       raise ValueError(f"method {method!r} needs a draft model (--draft_model)")
-    if method not in DRAFT_MODEL_METHODS and draft_model is not None:
+    if method not in (*DRAFT_MODEL_METHODS, "ssv") and draft_model is not None:
       raise ValueError(f"a draft model was given, but method {method!r} does not use one "
-                       "(use method 'draft', 'specattn' or 'sts')")
+                       "(use method 'draft', 'specattn', 'sts' or 'ssv')")
     if draft_model is not None and draft_model.cfg.vocab_size != model.cfg.vocab_size:
       raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) is not "
                        f"the target's ({model.cfg.vocab_size}): they must share a tokenizer")
@@ -211,16 +227,27 @@ class Runner:
     self.sts = None
     if method == "sts":
       self.sts = sts_config(model, draft_model, sts_budget, sts_block, head_map, tp)
+    self.ssv = None
+    if method == "ssv":
+      self.ssv = ssv_lib.make_config(model, ssv_class, ssv_group, refresh)
+      if draft_model is None:   # self-drafting: the NSA model's own plain decoding drafts
+        draft_model = model
+    elif (ssv_class, ssv_group, refresh) != (None, None, None):
+      raise ValueError(f"ssv_class, ssv_group and refresh are settings of method 'ssv', not "
+                       f"{method!r}")
     self.offload = OffloadConfig(mode=kv_offload)
     if self.offload.on_host and method != "sts":
       raise ValueError(f"kv_offload={kv_offload!r} is built for method 'sts' (its verification "
                        f"reads only the rows its draft picked), not {method!r}")
     self.method = method
     self.tree = requests.check_tree(tree, tree_order, method, gamma)
-    if any(m is not None and m.cfg.nsa is not None for m in (model, draft_model)) and (
-        method not in ("none", "draft") or self.tree is not None):
-      raise ValueError("NSA models run method 'none' or 'draft' with a chain for now (a tree's "
-                       "accepted path needs its compression blocks rewritten, not wired yet)")
+    if any(m is not None and m.cfg.nsa is not None for m in (model, draft_model)):
+      if method not in NSA_METHODS:
+        raise ValueError(f"NSA models run method 'none', 'draft' or 'ssv': {method!r} picks KV "
+                         "by attention scores, which Native Sparse Attention does not collect")
+      if draft_model is not None and draft_model.cfg.nsa is not None and self.tree is not None:
+        raise ValueError("an NSA draft model drafts chains only (a tree level attends over part "
+                         "of the tree's window); use a dense draft model for a draft tree")
     if method == "none":
       self.gamma = 0
     elif self.tree is not None:
@@ -264,7 +291,7 @@ class Runner:
     """The static run configuration for a cache of `capacity` slots per sequence (`strategy`: a
     planner's strategy instead of the runner's own method, gamma, sparsity and tree)."""
     drafter = None
-    if self.method == "draft":
+    if self.method in ("draft", "ssv"):
       drafter = DraftModelDrafter()
     elif self.method == "specattn":
       drafter = specattn.SpecAttnDrafter(spec=self.specattn)
@@ -277,7 +304,7 @@ class Runner:
           score_kind=self.score_kind, backend=self.backend, mesh=self.mesh))
     config = RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                        backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
-                       drafter=drafter, tree=self.tree, offload=self.offload)
+                       drafter=drafter, tree=self.tree, offload=self.offload, ssv=self.ssv)
     if strategy is None:
       return config
     return strategy.run_config(config, min_tokens=self.min_tokens, score_kind=self.score_kind,
@@ -422,7 +449,8 @@ class Runner:
     every chunk (for streaming). stats.extra for speculative methods: method, gamma,
     mean_accepted_tokens (per round, incl. the corrected/bonus token), acceptance_by_position
     (gamma floats), verify_rounds (sequence-rounds counted); for 'specattn' and 'sts' also
-    kv_kept_share (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`).
+    kv_kept_share (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`);
+    for 'ssv' ssv_class and ssv_group.
     With a planner: method 'plan', strategy (the last one's key), mean_accepted_tokens and
     verify_rounds over all of them, plan_strategies (the same per strategy) and plan_switches (the
     controller's log: round, context, from, to, reason, ema, expected) instead of gamma and
@@ -481,6 +509,8 @@ class Runner:
           gamma=self.gamma, mean_accepted_tokens=round(acc["mean_accepted_tokens"], 4),
           acceptance_by_position=[round(p, 4) for p in acc["acceptance_by_position"]],
           verify_rounds=acc["verify_rounds"])
+    if self.ssv is not None:
+      stats.extra.update(ssv_class=self.ssv.ssv_class, ssv_group=self.ssv.group)
     if control is not None:   # acceptance per strategy: their histograms differ in width
       tally.close(strategy.key, hist)
       plan = tally.summary()

@@ -24,7 +24,11 @@ not yet in the cache):
 With a draft tree (`RunConfig.tree`) the drafter proposes the tree's nodes (one batched step per
 depth), verification feeds all of them under the tree's attention mask, acceptance walks the tree
 (`tree_acceptance`), and the accepted path's K/V move to the slots after the root, so the cache
-and the drafter see a chain's layout again.
+and the drafter see a chain's layout again (an NSA target's compression blocks ending in those
+slots are then compressed from the accepted path).
+
+Method 'ssv' (`RunConfig.ssv`, `jaxspec.ssv`): an NSA target verifies under SSV's schedule
+instead of plain NSA; its strict class is exact, its reuse and approx classes change the output.
 
 `speculative_chunk` runs up to `rounds` rounds in one `lax.while_loop`; the runner compiles it with
 the state (and so both caches) donated: no host round-trip per round.
@@ -54,7 +58,7 @@ def verify(target: Transformer, state: SpecState, drafts: jax.Array,
   """Verification of [last_token, drafts] in one pass, accept/reject, append. The drafter's
   `verify_plan(state)` is the target's attention: full attention for every drafter but SpecAttn's
   and STS's, whose sparse plans make the target an approximation (`jaxspec.drafting.specattn`,
-  `jaxspec.drafting.sts`).
+  `jaxspec.drafting.sts`); with `config.ssv` (method 'ssv') it is SSV's NSA schedule instead.
 
   Returns (state with lengths moved and tokens appended, the verified tokens along the accepted
   path [B, gamma + 1] (root first; the chain's tokens are that path), the scores the drafter asked
@@ -67,7 +71,7 @@ def verify(target: Transformer, state: SpecState, drafts: jax.Array,
   start = ds.cache.lengths
   tokens = jnp.concatenate([ds.last_token[:, None], drafts], axis=1)          # [B, gamma + 1]
   positions = start[:, None] + jnp.arange(config.gamma + 1, dtype=jnp.int32)[None]
-  plan = config.drafter.verify_plan(state)
+  plan = config.drafter.verify_plan(state) if config.ssv is None else config.ssv.plan()
   if config.offload.on_host:   # the plan's rows copied from host memory (`offload`)
     hidden, new_kv = offload.verify_pass(target, tokens, positions, ds.cache, plan, config.offload,
                                          config.backend)
@@ -121,15 +125,20 @@ def verify_tree(target: Transformer, state: SpecState, drafts: jax.Array,
                 draft_probs: jax.Array | None, config: RunConfig):
   """`verify` for a draft tree: the root and drafts [B, T - 1] (in the tree's order) at positions
   lengths + depth under the tree mask, `tree_acceptance.verify_tree`, then the accepted path's
-  K/V compacted to the slots after the root (`trees.compact_layers`). Per-row scores come back
+  K/V compacted to the slots after the root (`trees.compact_layers`; for an NSA target the
+  compression blocks ending there are then written, `Transformer.recompress`), verified under
+  `config.ssv`'s schedule when it is set (method 'ssv'). Per-row scores come back
   as the last accepted node's row [L, B, S], compacted the same way."""
   tree = config.tree
   ds = state.decode
   start = ds.cache.lengths
   tokens = jnp.concatenate([ds.last_token[:, None], drafts], axis=1)          # [B, T]
   positions = start[:, None] + jnp.asarray(tree.depths)[None]
-  plan = Dense(scores=tree_score_spec(config.drafter.verify_scores, tree),
-               tree_bits=jnp.asarray(tree.ancestor_bits))
+  bits = jnp.asarray(tree.ancestor_bits)
+  if config.ssv is not None:
+    plan = config.ssv.plan(tree_bits=bits)
+  else:
+    plan = Dense(scores=tree_score_spec(config.drafter.verify_scores, tree), tree_bits=bits)
   hidden, cache, scores = target(tokens, positions, ds.cache, plan, config.backend)
   target_logits = target.logits(hidden)                                      # [B, T, V]
   key, sub = jax.random.split(ds.key)
@@ -138,6 +147,10 @@ def verify_tree(target: Transformer, state: SpecState, drafts: jax.Array,
   last = verdict.last_node
   cache = cache.replace(k=trees.compact_layers(cache.k, start, tree, last),
                         v=trees.compact_layers(cache.v, start, tree, last))
+  if target.cfg.nsa is not None:
+    # A tree pass writes no compression blocks (which tokens a block holds depends on the path):
+    # those ending in the compacted slots are compressed from the accepted path now.
+    cache = target.recompress(cache, start, tree.depth + 1)
   new = tree_acceptance.emitted_tokens(tree, tokens, verdict, pad=0)        # [B, depth + 1]
   state = _advance(state, cache, key, start, new, verdict.accepted, config)
   path = jnp.maximum(trees.accepted_path(tree, last), 0)                    # [B, depth + 1]
