@@ -42,22 +42,27 @@ from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Strat
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams
 
-_MODEL = flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec")
-_STRATEGIES = flags.DEFINE_list("strategies", ["vegas:6@0.07", "vegas:4@0.07", "vegas:8@0.07"],
-                                "candidate strategies, method[:gamma | :tWIDTHS][@ratio]")
-_CONTEXTS = flags.DEFINE_list("contexts", ["4096", "16384"], "context buckets (upper bounds)")
-_BATCHES = flags.DEFINE_list("batches", ["1"], "batch sizes")
-_PRECISION = flags.DEFINE_string("precision", "exact", "the strategies' precision class label")
-_MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting")
-_SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
-_CHUNK = flags.DEFINE_integer("chunk_rounds", 8, "rounds per compiled call (as served)")
-_WARMUP = flags.DEFINE_integer("warmup_chunks", 1, "untimed chunks before timing")
-_CHUNKS = flags.DEFINE_integer("chunks", 4, "timed chunks per strategy and bucket")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling while profiling")
-_TOP_P = flags.DEFINE_float("top_p", 0.95, "")
-_TOP_K = flags.DEFINE_integer("top_k", 20, "")
-_SEED = flags.DEFINE_integer("seed", 0, "")
-_OUT = flags.DEFINE_string("out", "benchmarks/out/plan_profile.json", "the profile JSON")
+
+def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
+  """The flags, into `fv`. Defined only when run as a program, so that importing the module (the
+  tests do) does not collide with another benchmark's flags of the same names."""
+  f = dict(flag_values=fv)
+  flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec", **f)
+  flags.DEFINE_list("strategies", ["vegas:6@0.07", "vegas:4@0.07", "vegas:8@0.07"],
+                    "candidate strategies, method[:gamma | :tWIDTHS][@ratio]", **f)
+  flags.DEFINE_list("contexts", ["4096", "16384"], "context buckets (upper bounds)", **f)
+  flags.DEFINE_list("batches", ["1"], "batch sizes", **f)
+  flags.DEFINE_string("precision", "exact", "the strategies' precision class label", **f)
+  flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting", **f)
+  flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores", **f)
+  flags.DEFINE_integer("chunk_rounds", 8, "rounds per compiled call (as served)", **f)
+  flags.DEFINE_integer("warmup_chunks", 1, "untimed chunks before timing", **f)
+  flags.DEFINE_integer("chunks", 4, "timed chunks per strategy and bucket", **f)
+  flags.DEFINE_float("temperature", 0.6, "sampling while profiling", **f)
+  flags.DEFINE_float("top_p", 0.95, "", **f)
+  flags.DEFINE_integer("top_k", 20, "", **f)
+  flags.DEFINE_integer("seed", 0, "", **f)
+  flags.DEFINE_string("out", "benchmarks/out/plan_profile.json", "the profile JSON", **f)
 
 
 def measure(runner: Runner, strategy: Strategy, prompts: list[list[int]], max_len: int, *,
@@ -136,46 +141,47 @@ def integers(name: str, values: list[str], minimum: int) -> list[int]:
 
 def main(argv):
   del argv
+  FLAGS = flags.FLAGS
   cli.quiet_logging()
   prog = "benchmarks.plan_profile"
   try:
-    strategies = [parse_strategy(t, _PRECISION.value) for t in _STRATEGIES.value]
+    strategies = [parse_strategy(t, FLAGS.precision) for t in FLAGS.strategies]
     if len({s.key for s in strategies}) != len(strategies):
       raise ValueError("--strategies names a strategy twice")
-    contexts = sorted(set(integers("--contexts", _CONTEXTS.value, 16)))
-    batches = sorted(set(integers("--batches", _BATCHES.value, 1)))
-    for name, flag, least in (("--chunk_rounds", _CHUNK, 1), ("--chunks", _CHUNKS, 1),
-                              ("--warmup_chunks", _WARMUP, 0)):
-      requests.check_count(name, flag.value, least)
-    sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    contexts = sorted(set(integers("--contexts", FLAGS.contexts, 16)))
+    batches = sorted(set(integers("--batches", FLAGS.batches, 1)))
+    for name, least in (("chunk_rounds", 1), ("chunks", 1), ("warmup_chunks", 0)):
+      requests.check_count(f"--{name}", FLAGS[name].value, least)
+    sampling = SamplingParams(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
   except ValueError as e:
     cli.fail(prog, str(e))
   from jaxspec.io.loading import load_model
   try:
-    loaded = load_model(_MODEL.value, dtype=jnp.bfloat16)
-    runner = profiling_runner(loaded.model, strategies, min_tokens=_MIN_TOKENS.value,
-                              score_kind=_SCORE.value, sampling=sampling)
+    loaded = load_model(FLAGS.model, dtype=jnp.bfloat16)
+    runner = profiling_runner(loaded.model, strategies, min_tokens=FLAGS.min_tokens,
+                              score_kind=FLAGS.score, sampling=sampling)
 
     def book(batch, length):
-      return workloads.continuation_prompts(loaded.tokenizer, batch, length, length, _SEED.value)
-    result = profile(runner, strategies, contexts, batches, book, chunk=_CHUNK.value,
-                     warmup_chunks=_WARMUP.value, chunks=_CHUNKS.value, seed=_SEED.value)
+      return workloads.continuation_prompts(loaded.tokenizer, batch, length, length, FLAGS.seed)
+    result = profile(runner, strategies, contexts, batches, book, chunk=FLAGS.chunk_rounds,
+                     warmup_chunks=FLAGS.warmup_chunks, chunks=FLAGS.chunks, seed=FLAGS.seed)
   except (OSError, ValueError) as e:
     cli.fail(prog, str(e))
-  meta = dict(model=_MODEL.value, device=device_name(), commit=git_commit(),
-              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), min_tokens=_MIN_TOKENS.value,
-              score=_SCORE.value, chunk_rounds=_CHUNK.value, chunks=_CHUNKS.value,
+  meta = dict(model=FLAGS.model, device=device_name(), commit=git_commit(),
+              date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), min_tokens=FLAGS.min_tokens,
+              score=FLAGS.score, chunk_rounds=FLAGS.chunk_rounds, chunks=FLAGS.chunks,
               sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k), argv=" ".join(sys.argv))
   result = Profile(result.strategies, result.buckets, meta)
-  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-  result.save(_OUT.value)
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+  result.save(FLAGS.out)
   for b in result.buckets:
     ranked = sorted(b.entries, key=lambda kv: -kv[1].rate)
     print(f"B={b.batch} C={b.context}: " + ", ".join(
         f"{k} {e.accepted:.2f} tok/round {e.round_s * 1e3:.1f} ms" for k, e in ranked))
-  print(f"wrote {_OUT.value}", file=sys.stderr)
+  print(f"wrote {FLAGS.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

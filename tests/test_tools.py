@@ -13,7 +13,8 @@ from jaxspec import fetch
 from subproc import run_module
 
 BENCHMARKS = ["benchmarks.acceptance", "benchmarks.decode", "benchmarks.kernels",
-              "benchmarks.plan_profile", "benchmarks.sweep", "benchmarks.throughput"]
+              "benchmarks.plan_profile", "benchmarks.sweep", "benchmarks.throughput",
+              "benchmarks.ssv"]
 INFO_LINE = re.compile(r"^I\d{4} ", re.M)   # absl's INFO prefix, e.g. 'I1123 14:02:11.5 ...'
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -37,8 +38,9 @@ def test_benchmark_help_says_how_to_run_it(module):
 def test_benchmarks_the_tests_import_share_one_process():
   """The tests import these benchmarks into one pytest worker: their flags must not collide (a
   benchmark whose flags share names with another's defines them only when run as a program)."""
-  res = subprocess.run([sys.executable, "-c", "import benchmarks.sts, benchmarks.peer_hf, "
-                        "benchmarks.throughput, benchmarks.sparse_eval, benchmarks.workloads"],
+  res = subprocess.run([sys.executable, "-c", "import benchmarks.sts, benchmarks.ssv, "
+                        "benchmarks.plan_profile, benchmarks.peer_hf, benchmarks.throughput, "
+                        "benchmarks.sparse_eval, benchmarks.workloads"],
                        capture_output=True, text=True, timeout=300)
   assert res.returncode == 0, res.stderr[-2000:]
 
