@@ -30,8 +30,9 @@
 #               head maps for budgets 256 and 512 (jaxspec.sts_map, made once beside its
 #               checkpoint), then captured mass + perplexity and passkey retrieval as two runs
 #               (EVALS overrides: space-separated --evals values, default "mass,ppl passkey")
-#   ssv         SSV's block overlap on the NSA-ified 1.5B (benchmarks.ssv; MODEL=1.5b prepped),
-#               CONTEXTS (default 8K,16K) and PASSAGES (default 4) override
+#   ssv         SSV's kernels on synthetic selections and block overlap on the NSA-ified 1.5B
+#               (benchmarks.ssv; MODEL=1.5b prepped); EVALS, CONTEXTS (default 8K,16K) and
+#               PASSAGES (default 4) override
 # EOS is honoured (requests stop at the model's end-of-sequence tokens) and sampling is the
 # paper's (temperature 0.6, top-p 0.95, top-k 20). IGNORE_EOS=1 passes --ignore_eos to sweep,
 # long, short and cont (stress mode: every request runs to its token budget); those results say
@@ -114,10 +115,11 @@ for step in "$@"; do
           --out=$OUT/sts_${e//,/_}${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -40
       done ;;
     ssv)
-      # SSV's overlap on the NSA-ified 1.5B (needs MODEL=1.5b prep first).
-      python3 -m benchmarks.ssv --model=nsa:/tmp/ckpt/qwen2.5-coder-1.5b \
+      # SSV's kernels on synthetic selections, and the overlap on the NSA-ified 1.5B (needs
+      # MODEL=1.5b prep first).
+      python3 -m benchmarks.ssv --model=nsa:/tmp/ckpt/qwen2.5-coder-1.5b --evals=${EVALS:-kernel,overlap} \
         --contexts=${CONTEXTS:-8K,16K} --passages=${PASSAGES:-4} \
-        --out=$OUT/ssv_overlap${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -6 ;;
+        --out=$OUT/ssv${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -24 ;;
     peer)
       for entry in 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32:qwen05 \
                    cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046:qwen15; do

@@ -19,6 +19,17 @@ Evaluations (--evals):
               layers     |S_l & S_l-1| / n for the same row and KV head: cross-layer stability,
                          what reuse layers count on.
             Per layer in the JSON (rows, KV heads and passages averaged), and one PNG per context.
+  kernel    the paper's kernel benchmark (its Section 7.3) on synthetic selections: --kernel_rows
+            rows T verified at --kernel_context, each row's n = 16 blocks sharing --kernel_overlaps
+            of them with the row before (3: only the initial and 2 local blocks, which NSA always
+            selects; 15: all but one), at --kernel_shape (Hq/Hkv/D). The fused selected + window
+            kernel (`nsa_select_window`) per query (groups of 1), under the exact merged schedule
+            and under the shared index for each --groups G <= T; the routing launch with and
+            without the block importance (what a reuse layer skips) and the top-n. Each time
+            against its floor, the bytes it must read over the device's copy rate measured in
+            the same run (`benchmarks.common.copy_ceiling`): achieved GB/s and time / floor; and
+            each schedule's speedup over per-query execution. Timed on a GPU; on a CPU the
+            kernels run in interpret mode and the times mean nothing.
 
 There are no trained NSA weights here: `nsa:SPEC` is SPEC's dense model NSA-ified training-free
 (`jaxspec.model.nsaify`: mean-pooled compression, fixed gates), a degraded model whose selections
@@ -31,6 +42,7 @@ import dataclasses
 import functools
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +61,9 @@ from jaxspec.model.transformer import Transformer, init_random
 from jaxspec.pairmap import calibration_windows
 
 PROG = "benchmarks.ssv"
-EVALS = ("overlap",)
+EVALS = ("overlap", "kernel")
 # The smoke model: NSA at a scale a few hundred bytes exercise (blocks of 16, 4 selected, window 32).
+KERNEL_NSA = NSAConfig()   # the paper's NSA constants: n = 16 blocks of 64, a window of 512
 TINY = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    nsa=NSAConfig(compress_block=16, compress_stride=8, select_block=16,
@@ -73,11 +86,19 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer("passages", 4, "passages per context (evenly spaced over the book)", **f)
   flags.DEFINE_integer("rows", 32, "verification rows at the end of each passage (one chain)", **f)
   flags.DEFINE_list("groups", ["2", "4", "8"], "group sizes G for the merged schedule's union", **f)
+  flags.DEFINE_list("kernel_rows", ["8", "16", "32", "64"], "kernel: verification rows T", **f)
+  flags.DEFINE_list("kernel_overlaps", ["3", "7", "11", "15"], "kernel: blocks a row shares with "
+                    "the row before, of n = 16", **f)
+  flags.DEFINE_string("kernel_context", "32K", "kernel: tokens in the cache before the rows", **f)
+  flags.DEFINE_string("kernel_shape", "64/4/128", "kernel: query heads/KV heads/head dim", **f)
+  flags.DEFINE_integer("copy_bytes", 4 << 30, "kernel: bytes of the copy that measures the "
+                       "device's copy rate", **f)
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and cache", **f)
   flags.DEFINE_string("out", "benchmarks/out/ssv.json", "JSON results (PNGs beside)", **f)
 
 
-FLAG_NAMES = ("evals", "contexts", "passages", "rows", "groups")
+FLAG_NAMES = ("evals", "contexts", "passages", "rows", "groups", "kernel_rows", "kernel_overlaps",
+              "kernel_context", "kernel_shape", "copy_bytes")
 
 
 def parse_tokens(text: str, name: str) -> int:
@@ -109,8 +130,31 @@ def parse_flags(v: dict) -> dict:
   short = [c for c in contexts if c <= v["rows"]]
   if short or not contexts:
     raise ValueError(f"--contexts must exceed --rows={v['rows']}, got {v['contexts']}")
+  n = KERNEL_NSA.num_selected
+  overlaps = [_int_entry(o, "--kernel_overlaps", 3, n - 1) for o in v["kernel_overlaps"]]
+  kernel_rows = [_int_entry(r, "--kernel_rows", 2, 256) for r in v["kernel_rows"]]
+  shape = str(v["kernel_shape"]).split("/")
+  if len(shape) != 3 or not all(x.isdigit() and int(x) > 0 for x in shape) \
+      or int(shape[0]) % int(shape[1]):
+    raise ValueError(f"--kernel_shape is query heads/KV heads/head dim with KV heads dividing "
+                     f"the query heads, e.g. 64/4/128, got {v['kernel_shape']!r}")
+  kernel_context = parse_tokens(v["kernel_context"], "--kernel_context")
+  least = (2 * n + 4) * KERNEL_NSA.select_block
+  if kernel_context < least:
+    raise ValueError(f"--kernel_context must be at least {least} tokens ({2 * n + 4} selection "
+                     f"blocks: room for rows that share few blocks), got {v['kernel_context']}")
+  if v["copy_bytes"] < 1 << 20:
+    raise ValueError(f"--copy_bytes must be at least 1 MiB, got {v['copy_bytes']}")
   return dict(evals=evals, contexts=contexts, passages=v["passages"], rows=v["rows"],
-              groups=groups)
+              groups=groups, kernel_rows=kernel_rows, kernel_overlaps=overlaps,
+              kernel_context=kernel_context, kernel_shape=tuple(int(x) for x in shape),
+              copy_bytes=v["copy_bytes"])
+
+
+def _int_entry(text, name: str, low: int, high: int) -> int:
+  if not str(text).strip().isdigit() or not low <= int(text) <= high:
+    raise ValueError(f"{name} entries are integers in [{low}, {high}], got {text!r}")
+  return int(text)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,6 +265,160 @@ def plot_overlap(rows: list[dict], out: str, title: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Kernels on synthetic selections
+
+def synthetic_indices(rng: np.random.Generator, positions: np.ndarray, hkv: int, overlap: int,
+                      cfg: NSAConfig) -> np.ndarray:
+  """Selected blocks [T, Hkv, n] int32, ascending, for rows at `positions` (one chain): each row
+  has block 0 and its 2 local blocks, and shares exactly `overlap` of its n blocks with the row
+  before (the forced ones among them when they are the same blocks); the rest are drawn at random
+  from the blocks before the local ones that no earlier row selected (while there are enough),
+  so that G adjacent rows select n + (G - 1) * (n - overlap) distinct blocks."""
+  n, t = cfg.num_selected, len(positions)
+  out = np.zeros((t, hkv, n), np.int32)
+  for h in range(hkv):
+    prev, seen = None, set()
+    for i, p in enumerate(positions):
+      cur = int(p) // cfg.select_block
+      forced = {0, cur - 1, cur}
+      pool = np.arange(1, cur - 1)
+      if prev is None:
+        picked = set(rng.choice(pool, n - 3, replace=False).tolist())
+      else:
+        kept_forced = forced & prev
+        others = sorted(prev - forced)
+        keep = overlap - len(kept_forced)
+        picked = set(rng.choice(others, keep, replace=False).tolist()) if keep > 0 else set()
+        need = n - 3 - len(picked)
+        fresh = np.setdiff1d(pool, np.asarray(sorted(seen), np.int64))
+        if len(fresh) < need:   # a long chain has used up the context: avoid the row before only
+          fresh = np.setdiff1d(pool, np.asarray(sorted(prev | picked), np.int64))
+        picked |= set(rng.choice(fresh, need, replace=False).tolist())
+      row = forced | picked
+      out[i, h] = sorted(row)
+      prev = row
+      seen |= row
+  return out
+
+
+def read_bytes(indices: np.ndarray, group: int, shared: bool, shape: tuple[int, int, int],
+               cfg: NSAConfig, itemsize: int) -> int:
+  """Bytes `nsa_select_window` must read at least for indices [T, Hkv, n]: each program's
+  selected blocks (its rows' union, or one list when shared) and window keys, K and V, once; the
+  queries, the compressed branch's output and the gates; the output written."""
+  hq, hkv, d = shape
+  t, n = indices.shape[0], cfg.num_selected
+  blocks = 0
+  for start in range(0, t, group):
+    rows = indices[start:start + group]
+    blocks += n * hkv if shared else sum(len(np.unique(rows[:, h])) for h in range(hkv))
+  window_keys = -(-t // group) * (cfg.window + group - 1) * hkv
+  kv = 2 * (blocks * cfg.select_block + window_keys) * d * itemsize
+  rows = t * hq * d * (3 * itemsize + 4) + t * hq * 3 * 4   # q, out, cmp (f32), gates (f32)
+  return kv + rows
+
+
+def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
+  """The kernel rows of the JSON (module docstring), on one sequence."""
+  from benchmarks.common import copy_ceiling, time_fn
+  from jaxspec.model import nsa
+  from pallas_kernels import nsa_attention as kernels
+  cfg = KERNEL_NSA
+  hq, hkv, d = v["kernel_shape"]
+  context = v["kernel_context"]
+  itemsize = jnp.dtype(dtype).itemsize
+  rate, rates = copy_ceiling(v["copy_bytes"])
+  rng = np.random.default_rng(0)
+  keys = jax.random.split(jax.random.PRNGKey(0), 6)
+  longest = max(v["kernel_rows"])
+  capacity = se.capacity_for(context + longest)
+  k = jax.random.normal(keys[0], (1, capacity, hkv, d), dtype)
+  vv = jax.random.normal(keys[1], (1, capacity, hkv, d), dtype)
+  c = nsa.num_compressed(capacity, cfg)
+  ck = jax.random.normal(keys[2], (1, c, hkv, d), dtype)
+  cv = jax.random.normal(keys[3], (1, c, hkv, d), dtype)
+  lengths = jnp.asarray([context], jnp.int32)
+  select = jax.jit(nsa.select_blocks, static_argnums=2)
+  rows = []
+  bar = tqdm(total=len(v["kernel_rows"]) * len(v["kernel_overlaps"]), desc="kernels",
+             unit="setting", file=sys.stderr)
+
+  def timed(fn, nbytes=None):
+    seconds = time_fn(fn, warmup=1 if interpret else 3, reps=1 if interpret else 20)
+    row = dict(us=round(seconds * 1e6, 2))
+    if nbytes is not None:
+      floor = nbytes / rate
+      row.update(bytes=int(nbytes), floor_us=round(floor * 1e6, 2),
+                 gb_s=round(nbytes / seconds / 1e9, 1), time_over_floor=round(seconds / floor, 2))
+    return row
+
+  with bar:
+    for t in v["kernel_rows"]:
+      q = jax.random.normal(keys[4], (1, t, hq, d), dtype)
+      cmp = jax.random.normal(keys[5], (1, t, hq, d), jnp.float32)
+      gates = jnp.full((1, t, hq, 3), 0.5, jnp.float32)
+      positions = np.arange(context, context + t)
+      pos = jnp.asarray(positions[None], jnp.int32)
+      num_blocks = nsa.num_select_blocks(capacity, cfg)
+      routing = timed(lambda: kernels.nsa_compressed(q, ck, cv, lengths, pos, cfg=cfg,
+                                                     num_blocks=num_blocks, interpret=interpret))
+      reuse = timed(lambda: kernels.nsa_compressed(q, ck, cv, lengths, pos, cfg=cfg,
+                                                   num_blocks=num_blocks, importance=False,
+                                                   interpret=interpret))
+      importance = kernels.nsa_compressed(q, ck, cv, lengths, pos, cfg=cfg,
+                                          num_blocks=num_blocks, interpret=interpret)[1]
+      top_n = timed(lambda: select(importance, pos, cfg))
+      for overlap in v["kernel_overlaps"]:
+        idx = synthetic_indices(rng, positions, hkv, overlap, cfg)
+        indices = jnp.asarray(idx[None])
+
+        def fused(group, shared, ind=indices):
+          return lambda: kernels.nsa_select_window(q, k, vv, lengths, pos, ind, gates, cmp,
+                                                   cfg=cfg, group=group, shared=shared,
+                                                   interpret=interpret)
+        per_query = timed(fused(1, False), read_bytes(idx, 1, False, (hq, hkv, d), cfg, itemsize))
+        row = dict(rows=t, overlap=overlap, per_query=per_query, routing=routing,
+                   routing_without_importance=reuse, top_n=top_n)
+        for g in [g for g in v["groups"] if g <= t]:
+          merged = timed(fused(g, False), read_bytes(idx, g, False, (hq, hkv, d), cfg, itemsize))
+          shared_idx = nsa.shared_indices(indices, g)
+          shared = timed(fused(g, True, shared_idx),
+                         read_bytes(np.asarray(shared_idx[0]), g, True, (hq, hkv, d), cfg,
+                                    itemsize))
+          merged["speedup"] = round(per_query["us"] / merged["us"], 2)
+          shared["speedup"] = round(per_query["us"] / shared["us"], 2)
+          row[f"merged_{g}"], row[f"shared_{g}"] = merged, shared
+        rows.append(row)
+        bar.update(1)
+  return dict(shape=dict(heads=hq, kv_heads=hkv, head_dim=d), context=context,
+              nsa=dataclasses.asdict(cfg), copy_gb_s=rates, interpret=interpret, rows=rows)
+
+
+def plot_kernel(result: dict, out: str, title: str) -> str:
+  """Speedup over per-query execution against overlap, one line per (schedule, G, T)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  rows = result["rows"]
+  for t in sorted({r["rows"] for r in rows}):
+    mine = [r for r in rows if r["rows"] == t]
+    for key in [k for k in mine[0] if k.startswith(("merged_", "shared_"))]:
+      ax.plot([r["overlap"] for r in mine], [r[key]["speedup"] for r in mine], marker=".",
+              linestyle="-" if key.startswith("merged") else "--", label=f"T={t} {key}")
+  ax.axhline(1.0, color="gray", linewidth=0.8)
+  ax.set_xlabel(f"blocks shared with the row before (of {KERNEL_NSA.num_selected})")
+  ax.set_ylabel("speedup over per-query execution")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=6, ncol=2)
+  path = f"{os.path.splitext(out)[0]}_kernel.png"
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+# ----------------------------------------------------------------------------------------------
 # The program
 
 def load(spec: str | None, random: bool, dtype) -> tuple[Transformer, object, str]:
@@ -237,22 +435,37 @@ def load(spec: str | None, random: bool, dtype) -> tuple[Transformer, object, st
   return loaded.model, loaded.tokenizer, spec
 
 
-def evaluate(model: Transformer, tokenizer, name: str, v: dict, out: str, dtype) -> dict:
-  tokens = se.book_tokens(tokenizer)
-  longest = max(v["contexts"])
-  if longest > len(tokens):
-    raise ValueError(f"--contexts {longest} exceeds the book's {len(tokens)} tokens")
-  settings = dict(model=name, nsa=dataclasses.asdict(model.cfg.nsa), dtype=jnp.dtype(dtype).name,
-                  device=device_name(),
-                  commit=git_commit(), **{k: v[k] for k in ("contexts", "passages", "rows",
-                                                            "groups")})
-  result = dict(settings=settings)
+def evaluate(model: Transformer | None, tokenizer, name: str | None, v: dict, out: str,
+             dtype) -> dict:
+  """Run the evaluations `v` asks for and write the JSON (PNGs beside it). The model is needed
+  for overlap only."""
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  settings = dict(dtype=jnp.dtype(dtype).name, device=device_name(), commit=git_commit(),
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  **{k: v[k] for k in ("evals", "groups")})
+  result = dict(settings=settings, pngs=[])
   if "overlap" in v["evals"]:
+    tokens = se.book_tokens(tokenizer)
+    longest = max(v["contexts"])
+    if longest > len(tokens):
+      raise ValueError(f"--contexts {longest} exceeds the book's {len(tokens)} tokens")
+    settings.update(model=name, nsa=dataclasses.asdict(model.cfg.nsa),
+                    **{k: v[k] for k in ("contexts", "passages", "rows")})
     result["overlap"] = overlap(model, tokens, v, dtype)
-    result["pngs"] = plot_overlap(result["overlap"], out, name)
+    result["pngs"] += plot_overlap(result["overlap"], out, name)
+  if "kernel" in v["evals"]:
+    interpret = jax.default_backend() != "gpu"
+    result["kernel"] = kernel_eval(v, dtype, interpret)
+    label = "interpret mode: times mean nothing" if interpret else device_name()
+    result["pngs"].append(plot_kernel(result["kernel"], out, f"SSV kernels ({label})"))
   write_json(out, result)
   for r in result.get("overlap", []):
     print(f"{r['context']:>6} tokens: " + "  ".join(f"{k} {x:.3f}" for k, x in r["mean"].items()))
+  for r in result.get("kernel", {}).get("rows", []):
+    best = {k: x["speedup"] for k, x in r.items() if isinstance(x, dict) and "speedup" in x}
+    print(f"T={r['rows']:>3} overlap {r['overlap']:>2}/{KERNEL_NSA.num_selected}: per-query "
+          f"{r['per_query']['us']:.1f} us ({r['per_query'].get('time_over_floor')}x floor); "
+          + ", ".join(f"{k} {x:.2f}x" for k, x in best.items()))
   print(f"wrote {out}")
   return result
 
@@ -264,7 +477,9 @@ def main(argv):
   dtype = jnp.float32 if FLAGS.dtype == "float32" else jnp.bfloat16
   try:
     v = parse_flags({k: getattr(FLAGS, k) for k in FLAG_NAMES})
-    model, tokenizer, name = load(None if FLAGS.random else FLAGS.model, FLAGS.random, dtype)
+    model = tokenizer = name = None
+    if "overlap" in v["evals"]:
+      model, tokenizer, name = load(None if FLAGS.random else FLAGS.model, FLAGS.random, dtype)
   except (OSError, ValueError) as e:
     cli.fail(PROG, str(e))
   try:

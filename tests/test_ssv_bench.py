@@ -33,13 +33,43 @@ def test_padding_counts_as_no_block():
   np.testing.assert_array_equal(member, [[True, False, True]])
 
 
-FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2", "4"])
+def test_synthetic_selections_share_exactly_the_asked_overlap():
+  cfg = bench.KERNEL_NSA
+  positions = np.arange(4090, 4106)                                # crosses a block boundary
+  for overlap in (3, 9, 15):
+    idx = bench.synthetic_indices(np.random.default_rng(overlap), positions, 2, overlap, cfg)
+    assert idx.shape == (16, 2, cfg.num_selected)
+    for h in range(2):
+      for t, p in enumerate(positions):
+        row = idx[t, h]
+        cur = p // cfg.select_block
+        assert (np.diff(row) > 0).all() and row[-1] == cur and {0, cur - 1} <= set(row)
+        if t:
+          assert len(set(row) & set(idx[t - 1, h])) == overlap
+
+
+def test_read_bytes_count_shared_blocks_once():
+  cfg = bench.KERNEL_NSA
+  idx = bench.synthetic_indices(np.random.default_rng(0), np.arange(4096, 4104), 1, 15, cfg)
+  args = ((4, 1, 16), cfg, 2)
+  alone, merged = bench.read_bytes(idx, 1, False, *args), bench.read_bytes(idx, 4, False, *args)
+  block = 2 * cfg.select_block * 16 * 2                            # one block's K and V
+  assert alone - merged == (8 * 16 - 2 * 19) * block + (8 * 512 - 2 * 515) * 2 * 16 * 2
+  assert bench.read_bytes(idx, 4, True, *args) < merged
+
+
+FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2", "4"],
+             kernel_rows=["8"], kernel_overlaps=["3"], kernel_context="4K", kernel_shape="4/2/16",
+             copy_bytes=1 << 20)
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(evals=["speed"]), "--evals"), (dict(contexts=["8Q"]), "--contexts"),
     (dict(contexts=["16"]), "exceed --rows"), (dict(rows=1), "--rows"),
-    (dict(groups=["32"]), "--groups"), (dict(passages=0), "--passages")])
+    (dict(groups=["32"]), "--groups"), (dict(passages=0), "--passages"),
+    (dict(kernel_overlaps=["16"]), "--kernel_overlaps"), (dict(kernel_rows=["1"]), "--kernel_rows"),
+    (dict(kernel_shape="6/4/16"), "--kernel_shape"), (dict(kernel_context="1K"), "at least 2304"),
+    (dict(copy_bytes=10), "--copy_bytes")])
 def test_bad_flags_are_one_line_errors(change, message):
   with pytest.raises(ValueError, match=re.escape(message)) as e:
     bench.parse_flags(dict(FLAGS, **change))
@@ -61,6 +91,24 @@ def test_smoke_run_writes_json_and_pngs(tmp_path):
   assert all(1 <= x <= 4 for x in row["per_layer"]["union_4"])   # n <= union <= G * n
   assert data["settings"]["model"] == "random tiny NSA model"
   assert all((tmp_path / p.split("/")[-1]).is_file() for p in data["pngs"])
+
+
+def test_kernel_smoke_run(tmp_path):
+  """The kernel evaluation in interpret mode (the times mean nothing): every schedule's row."""
+  out = tmp_path / "k.json"
+  res = subprocess.run([sys.executable, "-m", "benchmarks.ssv", "--evals=kernel",
+                        "--kernel_rows=4", "--kernel_overlaps=3,14", "--kernel_context=2304",
+                        "--kernel_shape=4/2/16", "--groups=2,4", "--copy_bytes=1048576",
+                        "--dtype=float32", f"--out={out}"], capture_output=True, text=True,
+                       timeout=600)
+  assert res.returncode == 0, res.stderr[-2000:]
+  data = json.loads(out.read_text())["kernel"]
+  assert data["interpret"] and [r["overlap"] for r in data["rows"]] == [3, 14]
+  row = data["rows"][1]
+  assert {"per_query", "merged_2", "shared_2", "merged_4", "shared_4", "routing",
+          "routing_without_importance", "top_n"} <= set(row)
+  assert row["merged_4"]["bytes"] < row["merged_2"]["bytes"] < row["per_query"]["bytes"]
+  assert (tmp_path / "k_kernel.png").is_file()
 
 
 def test_a_missing_model_is_a_one_line_error(tmp_path):
