@@ -62,7 +62,7 @@ from jaxspec.pairmap import calibration_windows
 
 PROG = "benchmarks.ssv"
 EVALS = ("overlap", "kernel")
-# The smoke model: NSA at a scale a few hundred bytes exercise (blocks of 16, 4 selected, window 32).
+# The smoke model: NSA at a scale a few hundred bytes exercise (blocks of 16, 4 chosen, window 32).
 KERNEL_NSA = NSAConfig()   # the paper's NSA constants: n = 16 blocks of 64, a window of 512
 TINY = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
