@@ -314,7 +314,7 @@ def read_bytes(indices: np.ndarray, group: int, shared: bool, shape: tuple[int, 
     blocks += n * hkv if shared else sum(len(np.unique(rows[:, h])) for h in range(hkv))
   window_keys = -(-t // group) * (cfg.window + group - 1) * hkv
   kv = 2 * (blocks * cfg.select_block + window_keys) * d * itemsize
-  rows = t * hq * d * (3 * itemsize + 4) + t * hq * 3 * 4   # q, out, cmp (f32), gates (f32)
+  rows = t * hq * d * (2 * itemsize + 4) + t * hq * 3 * 4   # q, out; cmp and gates in f32
   return kv + rows
 
 
