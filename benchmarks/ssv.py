@@ -1,8 +1,9 @@
 r"""SSV's evaluation: how much the blocks that NSA selects for adjacent verification rows and for
-adjacent layers overlap, the overlap that SSV's schedules turn into saved loads.
+adjacent layers overlap (the overlap that SSV's schedules turn into saved loads), and SSV's kernels
+on synthetic selections of controlled overlap. The second example is a smoke run.
 
   python -m benchmarks.ssv --model=nsa:qwen2.5-coder-1.5b --contexts=8K,16K --passages=4
-  python -m benchmarks.ssv --random --contexts=512 --passages=1 --rows=16   # a smoke run
+  python -m benchmarks.ssv --random --evals=overlap --contexts=512 --passages=1 --rows=16
 
 Evaluations (--evals):
   overlap   each passage (--passages of --contexts tokens, evenly spaced over Frankenstein;

@@ -78,9 +78,10 @@ def test_bad_flags_are_one_line_errors(change, message):
 
 def test_smoke_run_writes_json_and_pngs(tmp_path):
   out = tmp_path / "ssv.json"
-  res = subprocess.run([sys.executable, "-m", "benchmarks.ssv", "--random", "--contexts=256",
-                        "--passages=1", "--rows=8", "--groups=2,4", "--dtype=float32",
-                        f"--out={out}"], capture_output=True, text=True, timeout=600)
+  res = subprocess.run([sys.executable, "-m", "benchmarks.ssv", "--random", "--evals=overlap",
+                        "--contexts=256", "--passages=1", "--rows=8", "--groups=2,4",
+                        "--dtype=float32", f"--out={out}"], capture_output=True, text=True,
+                       timeout=600)
   assert res.returncode == 0, res.stderr[-2000:]
   data = json.loads(out.read_text())
   (row,) = data["overlap"]
