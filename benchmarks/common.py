@@ -9,6 +9,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import tempfile
 import statistics
 import subprocess
@@ -160,6 +161,14 @@ def kernel_times(events: list[dict], top: int = 25) -> dict:
   return dict(device_us=sum(us.values()), lines=sorted(set(threads.values())),
               kernels=[dict(name=n[:120], us=round(t, 1), calls=calls[n])
                        for n, t in us.most_common(top)])
+
+
+def parse_tokens(text: str, name: str) -> int:
+  """'16384' or '16K' (K = 1024) -> tokens; a one-line ValueError otherwise."""
+  m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", str(text))
+  if not m or int(m.group(1)) < 1:
+    raise ValueError(f"{name} must be a positive token count such as 16384 or 16K, got {text!r}")
+  return int(m.group(1)) * (1024 if m.group(2) else 1)
 
 
 def write_json(path: str, payload: dict) -> None:

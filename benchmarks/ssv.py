@@ -53,7 +53,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from benchmarks import sparse_eval as se
-from benchmarks.common import device_name, git_commit, write_json
+from benchmarks.common import device_name, git_commit, parse_tokens, write_json
 from jaxspec import cli
 from jaxspec.model.attention import NSA, Prefill
 from jaxspec.model.config import ModelConfig, NSAConfig
@@ -100,16 +100,6 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
 
 FLAG_NAMES = ("evals", "contexts", "passages", "rows", "groups", "kernel_rows", "kernel_overlaps",
               "kernel_context", "kernel_shape", "copy_bytes")
-
-
-def parse_tokens(text: str, name: str) -> int:
-  """'8192' or '8K' (K = 1024) -> tokens; a one-line ValueError otherwise."""
-  s = str(text).strip()
-  scale = 1024 if s[-1:] in ("k", "K") else 1
-  digits = s[:-1] if scale > 1 else s
-  if not digits.isdigit() or int(digits) < 1:
-    raise ValueError(f"{name} entries are token counts such as 8192 or 8K, got {text!r}")
-  return int(digits) * scale
 
 
 def parse_flags(v: dict) -> dict:

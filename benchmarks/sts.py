@@ -69,7 +69,7 @@ from absl import flags
 from tqdm import tqdm
 
 from benchmarks import sparse_eval as se
-from benchmarks.common import device_name, git_commit, write_json
+from benchmarks.common import device_name, git_commit, parse_tokens, write_json
 from jaxspec import cli
 from jaxspec.drafting import sts as sts_drafting
 from jaxspec.io.data import data_path
@@ -116,14 +116,6 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer("seed", 0, "seed of the pass keys", **f)
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and cache", **f)
   flags.DEFINE_string("out", "benchmarks/out/sts.json", "JSON results (PNGs beside)", **f)
-
-
-def parse_tokens(text: str, name: str) -> int:
-  """'16384' or '16K' (K = 1024) -> tokens; a one-line ValueError otherwise."""
-  m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", str(text))
-  if not m or int(m.group(1)) < 1:
-    raise ValueError(f"{name} must be a positive token count such as 16384 or 16K, got {text!r}")
-  return int(m.group(1)) * (1024 if m.group(2) else 1)
 
 
 def parse_budget(spec: str) -> str:
