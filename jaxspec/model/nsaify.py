@@ -92,8 +92,9 @@ def fla_nsa_defaults(cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 def nsaify(model: Transformer, nsa: NSAConfig = NSAConfig(),
            gates: Sequence[float] = DEFAULT_GATES) -> Transformer:
-  """The NSA-ified `model` (see the module docstring): a new model sharing nothing with `model`,
-  at its parameter dtype, its config's `nsa` set. A degraded model, for measurement only."""
+  """The NSA-ified `model` (see the module docstring): a new model at its parameter dtype, its
+  config's `nsa` set, holding the same dense weight arrays (not copied: a 1.5B model costs no
+  second copy). A degraded model, for measurement only."""
   from jaxspec.io.weights import build_model, flat   # the loaders import the model, not back
   if model.cfg.nsa is not None:
     raise ValueError("the model already has NSA attention")
