@@ -30,6 +30,16 @@
 #               head maps for budgets 256 and 512 (jaxspec.sts_map, made once beside its
 #               checkpoint), then captured mass + perplexity and passkey retrieval as two runs
 #               (EVALS overrides: space-separated --evals values, default "mass,ppl passkey")
+#   specattn    SpecAttn's perplexity against KV reduction and the layer-map ablation
+#               (benchmarks.specattn; both models prepped): the KL layer map (jaxspec.specattn_map,
+#               made once beside the 1.5B), then WINDOWS (default 8) windows of 2048 tokens
+#   sparse_e2e  the draft-guided sparse methods end to end (both models prepped; the maps of the
+#               sts and specattn steps): the 1.5B with the 0.5B drafting, WORKLOAD (default long),
+#               METHODS (default none,draft:4,sts@256,specattn@0.95), BATCH (default 32); sts and
+#               specattn CHANGE the target's output
+#   ssv_e2e     SSV end to end on the NSA-ified 1.5B (MODEL=1.5b prepped; the 0.5B drafts):
+#               autoregressive NSA against strict SSV (lossless) per query and in merged groups
+#               of 4, WORKLOAD (default short), BATCH (default 32), METHODS overrides
 #   ssv         SSV's kernels on synthetic selections and block overlap on the NSA-ified 1.5B
 #               (benchmarks.ssv; MODEL=1.5b prepped); EVALS, CONTEXTS (default 8K,16K) and
 #               PASSAGES (default 4) override
@@ -114,6 +124,26 @@ for step in "$@"; do
         python3 -m benchmarks.sts --target=$T --draft=$D --sts_map=$maps --evals=$e \
           --out=$OUT/sts_${e//,/_}${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -40
       done ;;
+    specattn)
+      T=/tmp/ckpt/qwen2.5-coder-1.5b D=/tmp/ckpt/qwen2.5-coder-0.5b
+      m=$T/specattn_map.qwen2_5-coder-0_5b.json
+      [ -f $m ] || python3 -m jaxspec.specattn_map --target=$T --draft=$D 2>&1 | grep -v "^[IW]1" | tail -2
+      python3 -m benchmarks.specattn --target=$T --draft=$D --specattn_map=$m --windows=${WINDOWS:-8} \
+        --out=$OUT/specattn${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | grep -v "chunk/s" | tail -20 ;;
+    sparse_e2e)
+      T=/tmp/ckpt/qwen2.5-coder-1.5b
+      python3 -m benchmarks.throughput --model=$T --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b \
+        --sts_map=$T/sts_map_k256.qwen2_5-coder-0_5b.json \
+        --specattn_map=$T/specattn_map.qwen2_5-coder-0_5b.json --workload=${WORKLOAD:-long} \
+        --batch=${BATCH:-32} --methods=${METHODS:-none,draft:4,sts@256,specattn@0.95} \
+        --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+        --out=$OUT/throughput_${WORKLOAD:-long}_sparse${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
+    ssv_e2e)
+      python3 -m benchmarks.throughput --model=nsa:/tmp/ckpt/qwen2.5-coder-1.5b \
+        --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b --workload=${WORKLOAD:-short} \
+        --batch=${BATCH:-32} --methods=${METHODS:-none,ssv,ssv@strict.4} --gammas=default=4 \
+        --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+        --out=$OUT/throughput_${WORKLOAD:-short}_ssv${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     ssv)
       # SSV's kernels on synthetic selections, and the overlap on the NSA-ified 1.5B (needs
       # MODEL=1.5b prep first).

@@ -1,6 +1,8 @@
 """Running a jaxspec CLI in a subprocess, optionally interrupted at a named phase."""
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -15,8 +17,24 @@ def run_module(module: str, *args: str, signal_at: str | None = None,
   env = {**os.environ, **(env or {})}
   if signal_at:
     env[TEST_SIGNAL_ENV] = signal_at
-  return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                        timeout=timeout, env=env)
+  with _signals_not_ignored() if signal_at else contextlib.nullcontext():
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@contextlib.contextmanager
+def _signals_not_ignored():
+  """A child inherits an ignored SIGINT (a test run started in the background by a
+  non-interactive shell has one), and Python then leaves it ignored, so the signal a test sends
+  would do nothing: un-ignore SIGINT and SIGTERM while the child runs."""
+  ignored = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) == signal.SIG_IGN]
+  for s in ignored:
+    signal.signal(s, signal.SIG_DFL)   # a caught handler would be reset at exec anyway
+  try:
+    yield
+  finally:
+    for s in ignored:
+      signal.signal(s, signal.SIG_IGN)
 
 
 def assert_clean_exit(res: subprocess.CompletedProcess, code: int, last_line: str) -> None:
