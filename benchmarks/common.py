@@ -71,6 +71,43 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10) -> flo
   return statistics.median(times)
 
 
+def time_batched(fn: Callable[..., object], arg_sets: Sequence[tuple], *,
+                 batch_seconds: float = 0.05, batches: int = 7) -> float:
+  """Median seconds per call of fn(*args) over `batches` batches of back-to-back calls (rotating
+  through arg_sets, so inputs that fit in L2 are not re-read from it), the device synchronised
+  once per batch; each batch lasts about `batch_seconds`."""
+  for a in arg_sets:
+    jax.block_until_ready(fn(*a))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*arg_sets[0]))
+  once = max(time.perf_counter() - t0, 1e-6)
+  n = int(min(max(batch_seconds / once, 3), 200))
+  times = []
+  for _ in range(batches):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(n):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / n)
+  return statistics.median(times)
+
+
+def time_chain(fn: Callable[..., object], args: tuple, n: int = 8, **batched) -> float:
+  """Device seconds per call: n calls chained in one program (each one's first argument depends
+  on the previous output, so none can be hoisted or overlapped), one dispatch for all of them;
+  this removes the Python dispatch cost that wall-clock batches include for calls under ~50 us.
+  `batched`: time_batched's keywords."""
+  def chain(q, *rest):
+    acc = jnp.zeros((), jnp.float32)
+    for _ in range(n):
+      out = fn(q + (acc * 0).astype(q.dtype), *rest)
+      out = out[0] if isinstance(out, tuple) else out
+      acc = acc + out.reshape(-1)[0].astype(jnp.float32)
+    return acc
+  return time_batched(jax.jit(chain), [args], **batched) / n
+
+
 def copy_rates(nbytes: int = 4 << 30, chain: int = 10) -> dict[str, float]:
   """Device copy rates in bytes/s (bytes read plus bytes written), by how the copy was made.
 

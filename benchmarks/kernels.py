@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 import time
 import traceback
 
@@ -25,7 +24,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import copy_ceiling, device_name, git_commit, write_json
+from benchmarks.common import copy_ceiling, device_name, git_commit, time_batched, write_json
+from benchmarks.common import time_chain as common_time_chain
 from jaxspec.drafting.policies import budget
 from jaxspec.drafting.trees import Tree
 from jaxspec import cli
@@ -65,36 +65,13 @@ T_START = time.time()
 # Timing
 
 def time_jax(fn, arg_sets) -> float:
-  """Median seconds per call of fn(*args), rotating through arg_sets."""
-  for a in arg_sets:
-    jax.block_until_ready(fn(*a))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*arg_sets[0]))
-  once = max(time.perf_counter() - t0, 1e-6)
-  n = int(min(max(FLAGS.batch_seconds / once, 3), 200))
-  times = []
-  for _ in range(FLAGS.batches):
-    t0 = time.perf_counter()
-    out = None
-    for i in range(n):
-      out = fn(*arg_sets[i % len(arg_sets)])
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / n)
-  return statistics.median(times)
+  """Median seconds per call of fn(*args), rotating through arg_sets (`time_batched`)."""
+  return time_batched(fn, arg_sets, batch_seconds=FLAGS.batch_seconds, batches=FLAGS.batches)
 
 
 def time_chain(fn, args, n: int = 8) -> float:
-  """Device seconds per call: n calls chained in one program (each one's query depends on the
-  previous output, so none can be hoisted or overlapped), one dispatch for all of them; this
-  removes the Python dispatch cost that wall-clock batches include for calls under ~50 us."""
-  def chain(q, *rest):
-    acc = jnp.zeros((), jnp.float32)
-    for _ in range(n):
-      out = fn(q + (acc * 0).astype(q.dtype), *rest)
-      out = out[0] if isinstance(out, tuple) else out
-      acc = acc + out.reshape(-1)[0].astype(jnp.float32)
-    return acc
-  return time_jax(jax.jit(chain), [args]) / n
+  """Device seconds per call, n calls chained in one program (`benchmarks.common.time_chain`)."""
+  return common_time_chain(fn, args, n, batch_seconds=FLAGS.batch_seconds, batches=FLAGS.batches)
 
 
 def time_torch(fn) -> float | None:

@@ -29,7 +29,8 @@ Evaluations (--evals):
             without the block importance (what a reuse layer skips) and the top-n. Each time
             against its floor, the bytes it must read over the device's copy rate measured in
             the same run (`benchmarks.common.copy_ceiling`): achieved GB/s and time / floor; and
-            each schedule's speedup over per-query execution. Timed on a GPU; on a CPU the
+            each schedule's speedup over per-query execution. Timed on a GPU, 8 calls chained in
+            one program (`benchmarks.common.time_chain`: no per-call dispatch); on a CPU the
             kernels run in interpret mode and the times mean nothing.
 
 There are no trained NSA weights here: `nsa:SPEC` is SPEC's dense model NSA-ified training-free
@@ -311,7 +312,7 @@ def read_bytes(indices: np.ndarray, group: int, shared: bool, shape: tuple[int, 
 
 def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
   """The kernel rows of the JSON (module docstring), on one sequence."""
-  from benchmarks.common import copy_ceiling, time_fn
+  from benchmarks.common import copy_ceiling, time_chain, time_fn
   from jaxspec.model import nsa
   from pallas_kernels import nsa_attention as kernels
   cfg = KERNEL_NSA
@@ -334,8 +335,11 @@ def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
   bar = tqdm(total=len(v["kernel_rows"]) * len(v["kernel_overlaps"]), desc="kernels",
              unit="setting", file=sys.stderr)
 
-  def timed(fn, nbytes=None):
-    seconds = time_fn(fn, warmup=1 if interpret else 3, reps=1 if interpret else 20)
+  def timed(fn, args, nbytes=None):
+    # On a GPU, 8 calls chained in one program: a lone call's dispatch and sync (tens of us)
+    # would otherwise dwarf kernels whose floors are a few us.
+    seconds = (time_fn(lambda: fn(*args), warmup=1, reps=1) if interpret
+               else time_chain(fn, args))
     row = dict(us=round(seconds * 1e6, 2))
     if nbytes is not None:
       floor = nbytes / rate
@@ -351,29 +355,27 @@ def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
       positions = np.arange(context, context + t)
       pos = jnp.asarray(positions[None], jnp.int32)
       num_blocks = nsa.num_select_blocks(capacity, cfg)
-      routing = timed(lambda: kernels.nsa_compressed(q, ck, cv, lengths, pos, cfg=cfg,
-                                                     num_blocks=num_blocks, interpret=interpret))
-      reuse = timed(lambda: kernels.nsa_compressed(q, ck, cv, lengths, pos, cfg=cfg,
-                                                   num_blocks=num_blocks, importance=False,
-                                                   interpret=interpret))
-      importance = kernels.nsa_compressed(q, ck, cv, lengths, pos, cfg=cfg,
-                                          num_blocks=num_blocks, interpret=interpret)[1]
-      top_n = timed(lambda: select(importance, pos, cfg))
+      compressed = functools.partial(kernels.nsa_compressed, cfg=cfg, num_blocks=num_blocks,
+                                     interpret=interpret)
+      routing = timed(compressed, (q, ck, cv, lengths, pos))
+      reuse = timed(functools.partial(compressed, importance=False), (q, ck, cv, lengths, pos))
+      importance = compressed(q, ck, cv, lengths, pos)[1]
+      top_n = timed(lambda imp: select(imp, pos, cfg), (importance,))
       for overlap in v["kernel_overlaps"]:
         idx = synthetic_indices(rng, positions, hkv, overlap, cfg)
         indices = jnp.asarray(idx[None])
 
         def fused(group, shared, ind=indices):
-          return lambda: kernels.nsa_select_window(q, k, vv, lengths, pos, ind, gates, cmp,
-                                                   cfg=cfg, group=group, shared=shared,
-                                                   interpret=interpret)
-        per_query = timed(fused(1, False), read_bytes(idx, 1, False, (hq, hkv, d), cfg, itemsize))
+          return (functools.partial(kernels.nsa_select_window, cfg=cfg, group=group,
+                                    shared=shared, interpret=interpret),
+                  (q, k, vv, lengths, pos, ind, gates, cmp))
+        per_query = timed(*fused(1, False), read_bytes(idx, 1, False, (hq, hkv, d), cfg, itemsize))
         row = dict(rows=t, overlap=overlap, per_query=per_query, routing=routing,
                    routing_without_importance=reuse, top_n=top_n)
         for g in [g for g in v["groups"] if g <= t]:
-          merged = timed(fused(g, False), read_bytes(idx, g, False, (hq, hkv, d), cfg, itemsize))
+          merged = timed(*fused(g, False), read_bytes(idx, g, False, (hq, hkv, d), cfg, itemsize))
           shared_idx = nsa.shared_indices(indices, g)
-          shared = timed(fused(g, True, shared_idx),
+          shared = timed(*fused(g, True, shared_idx),
                          read_bytes(np.asarray(shared_idx[0]), g, True, (hq, hkv, d), cfg,
                                     itemsize))
           merged["speedup"] = round(per_query["us"] / merged["us"], 2)

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -119,3 +120,19 @@ def test_a_missing_model_is_a_one_line_error(tmp_path):
   assert res.returncode == 1 and res.stderr.strip().count("\n") == 0, res.stderr
   assert res.stderr.startswith("benchmarks.ssv: error: /nonexistent")
   assert not (tmp_path / "x.json").exists()
+
+
+def test_time_chain_traces_n_calls_into_one_program():
+  """`benchmarks.common.time_chain`, the kernel evaluation's timer on a GPU: the n calls are
+  traced into one jitted program (one dispatch for all of them), and it reports seconds per
+  call."""
+  from benchmarks.common import time_chain
+  traced = []
+
+  def fn(q, scale):
+    traced.append(q.shape)
+    return q * scale
+
+  seconds = time_chain(fn, (jnp.ones(4), 2.0), n=3, batch_seconds=1e-3, batches=1)
+  assert traced == [(4,)] * 3
+  assert 0 < seconds < 1
