@@ -56,13 +56,16 @@ Reuse layers (`NSAInputs.indices` given) skip the importance pass; the fully fus
 kernel of SSV's reuse layers (compressed branch inside the fused kernel) is not built.
 
 Exactness: in float32 `nsa_select_window` with any group equals itself with group 1 bit for bit
-(interpret mode, tests/test_nsa_kernels.py), as the reference's merged schedule does; the kernels
+in interpret mode (tests/test_nsa_kernels.py), as the reference's merged schedule does, and to
+float32 rounding when compiled for a GPU (a larger query tile sums in another order); the kernels
 match the reference to float32 rounding, not bit for bit (base-2 exponentials, other sum orders).
+On a GPU float32 products are TF32 unless the matmul precision is 'highest'.
 
 Backend: Pallas's Triton lowering, as `sparse_attention` (its docstring says why). Sizes the
 Triton lowering needs are padded: the query tile to `pow2_rows`, the selection block's key tile
-to a power of two >= 16 (keys past l' masked), the tree's new keys to `pow2_rows(T)`. Not yet run
-on a GPU: only interpret mode on the CPU has run these kernels, so there is no measured figure.
+to a power of two >= 16 (keys past l' masked), the tree's new keys to `pow2_rows(T)`. Compiled
+and run on an H100 (benchmarks/RESULTS.md, "STS, SpecAttn and SSV on the GPU"); no kernel time
+free of per-call dispatch has been measured yet.
 """
 from __future__ import annotations
 
