@@ -684,6 +684,7 @@ def test_gguf_without_torch_fails_before_dequantizing(weights_smollm2_gguf, tmp_
   from jaxspec import convert as convert_lib
   from jaxspec.io import loading
   from jaxspec.io.weights import gguf as gguf_weights
+  monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path / "cache"))   # no tokenizer built before
   real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a, **k: None if name == "torch" else real_find_spec(name, *a, **k))
@@ -697,3 +698,35 @@ def test_gguf_without_torch_fails_before_dequantizing(weights_smollm2_gguf, tmp_
   with pytest.raises(WeightsError, match="needs torch"):
     convert_lib.convert(weights_smollm2_gguf, out, progress=False)
   assert not out.exists()
+
+
+def test_gguf_tokenizer_is_built_once_then_read_from_the_cache(weights_smollm2_gguf, tmp_path,
+                                                                monkeypatch):
+  """The first load builds the tokenizer from the GGUF's metadata and keeps a copy in the cache;
+  the next reads the copy (no GGUF parsing, no torch) and tokenizes and templates the same; a
+  damaged copy is rebuilt."""
+  monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+  built = gguf_weights.load_tokenizer(weights_smollm2_gguf)
+  cached = gguf_weights.tokenizer_cache_path(weights_smollm2_gguf)
+  assert cached.is_dir() and cached.parent == tmp_path / "tokenizers"
+  assert [p.name for p in cached.parent.iterdir()] == [cached.name]   # no temp folder left
+
+  def no_build(path):
+    raise AssertionError("built from the GGUF again")
+  monkeypatch.setattr(gguf_weights, "require_torch", no_build)
+  again = gguf_weights.load_tokenizer(weights_smollm2_gguf)
+  chat = [{"role": "user", "content": "What is 2 + 2?"}]
+  for tok in (built, again):
+    assert tok.eos_token_id == 2
+  for text in ("Hello, world!", "<|im_start|>user\ndef f(x):\n    return x  # ünïcode<|im_end|>"):
+    assert again.encode(text) == built.encode(text)
+  assert (again.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+          == built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+  assert (again.bos_token_id, again.pad_token_id) == (built.bos_token_id, built.pad_token_id)
+
+  monkeypatch.undo()
+  monkeypatch.setenv("JAXSPEC_CACHE", str(tmp_path))
+  (cached / "tokenizer.json").write_text("{")
+  rebuilt = gguf_weights.load_tokenizer(weights_smollm2_gguf)
+  assert rebuilt.encode("Hello, world!") == built.encode("Hello, world!")
+  assert json.loads((cached / "tokenizer.json").read_text())   # replaced by a whole copy

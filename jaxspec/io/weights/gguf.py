@@ -12,7 +12,11 @@ Facts about llama.cpp's layout this relies on:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -226,15 +230,52 @@ def require_torch(path: str | Path) -> None:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-  """A transformers tokenizer built from the GGUF's tokenizer metadata (vocab, merges, template)."""
+  """A transformers tokenizer built from the GGUF's tokenizer metadata (vocab, merges, template).
+
+  Building it parses the GGUF's metadata (for a 151K-token vocabulary, most of a minute), so the
+  tokenizer is also saved under the cache ($JAXSPEC_CACHE, else ~/.cache/jaxspec), keyed by the
+  file's path, size and modification time, and later loads read that copy."""
   from transformers import AutoTokenizer
   path = Path(path)
+  cached = tokenizer_cache_path(path)
+  if cached.is_dir():
+    try:
+      return AutoTokenizer.from_pretrained(str(cached))
+    except Exception:   # a damaged copy: build from the GGUF again below, and replace it
+      shutil.rmtree(cached, ignore_errors=True)
   require_torch(path)
   try:
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
   except Exception as e:
     raise WeightsError(f"{path}: transformers could not build a tokenizer from the GGUF "
                        f"metadata: {type(e).__name__}: {e}") from e
+  _save_copy(tokenizer, cached)
+  return tokenizer
+
+
+def tokenizer_cache_path(path: Path) -> Path:
+  """Where the tokenizer built from the GGUF at `path` is kept (`load_tokenizer`)."""
+  from jaxspec.fetch import cache_dir
+  st = path.stat()
+  key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+  return cache_dir() / "tokenizers" / f"{path.stem}-{key[:16]}"
+
+
+def _save_copy(tokenizer: PreTrainedTokenizerBase, dest: Path) -> None:
+  """Save into a temporary folder, then rename: a reader never sees half a copy, and of two
+  processes saving at once one wins. Best effort: a cache that cannot be written is skipped."""
+  try:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent)
+  except OSError:
+    return
+  try:
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, dest)
+  except OSError:   # written by another process meanwhile, or no room
+    pass
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load(path: str | Path, *, dtype=jnp.bfloat16, progress: bool = False,
