@@ -18,7 +18,11 @@ phases apart, which adds dispatch and loses fusion). Compiling is left out.
 
 Strategies: method[:gamma | :tWIDTHS[/order]][@ratio], for methods vegas, vegas-all and
 vegas-last (`jaxspec.engine.planner.parse_strategy`); --precision labels them (every
-self-drafting strategy is lossless: 'exact'). Sampling defaults to the benchmarks' (temperature
+self-drafting strategy is lossless: 'exact'). SSV strategies (an NSA --model, e.g.
+nsa:qwen2.5-coder-1.5b) are ssv[:gamma | :tWIDTHS[/order]][@class[.group]], drafted by
+--draft_model (without one, by the NSA model itself); their class is their precision class
+(strict: 'exact'; reuse, approx and approx_reuse CHANGE the output, and the reuse classes read
+--ssv_schedule). One profile holds strategies of one kind. Sampling defaults to the benchmarks' (temperature
 0.6, top-p 0.95, top-k 20): acceptance depends on it, so profile with the settings you serve with.
 """
 from __future__ import annotations
@@ -53,6 +57,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_list("contexts", ["4096", "16384"], "context buckets (upper bounds)", **f)
   flags.DEFINE_list("batches", ["1"], "batch sizes", **f)
   flags.DEFINE_string("precision", "exact", "the strategies' precision class label", **f)
+  flags.DEFINE_string("draft_model", None, "SSV strategies: the draft model spec", **f)
+  flags.DEFINE_string("ssv_schedule", None, "SSV reuse classes: the refresh/reuse schedule JSON "
+                      "from jaxspec.ssv_calibrate", **f)
   flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting", **f)
   flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores", **f)
   flags.DEFINE_integer("chunk_rounds", 8, "rounds per compiled call (as served)", **f)
@@ -148,6 +155,10 @@ def main(argv):
     strategies = [parse_strategy(t, FLAGS.precision) for t in FLAGS.strategies]
     if len({s.key for s in strategies}) != len(strategies):
       raise ValueError("--strategies names a strategy twice")
+    if len({s.precision for s in strategies}) > 1:
+      raise ValueError("--strategies mixes precision classes "
+                       f"({', '.join(sorted({s.precision for s in strategies}))}): profile each "
+                       "class in a run of its own")
     contexts = sorted(set(integers("--contexts", FLAGS.contexts, 16)))
     batches = sorted(set(integers("--batches", FLAGS.batches, 1)))
     for name, least in (("chunk_rounds", 1), ("chunks", 1), ("warmup_chunks", 0)):
@@ -155,11 +166,24 @@ def main(argv):
     sampling = SamplingParams(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
   except ValueError as e:
     cli.fail(prog, str(e))
-  from jaxspec.io.loading import load_model
+  from jaxspec import ssv
+  from jaxspec.io.loading import check_draft_pair, load_model
   try:
     loaded = load_model(FLAGS.model, dtype=jnp.bfloat16)
+    extra = {}
+    if strategies[0].method == "ssv":
+      if FLAGS.draft_model:
+        draft = load_model(FLAGS.draft_model, dtype=jnp.bfloat16)
+        check_draft_pair(loaded, draft, FLAGS.model, FLAGS.draft_model)
+        extra["draft_model"] = draft.model
+      if strategies[0].ssv_class in ssv.REUSE_CLASSES:
+        if not FLAGS.ssv_schedule:
+          raise ValueError(f"SSV class {strategies[0].ssv_class} needs --ssv_schedule")
+        extra["refresh"] = ssv.load_schedule(FLAGS.ssv_schedule, loaded.model)
+    elif FLAGS.draft_model or FLAGS.ssv_schedule:
+      raise ValueError("--draft_model and --ssv_schedule are for SSV strategies")
     runner = profiling_runner(loaded.model, strategies, min_tokens=FLAGS.min_tokens,
-                              score_kind=FLAGS.score, sampling=sampling)
+                              score_kind=FLAGS.score, sampling=sampling, **extra)
 
     def book(batch, length):
       return workloads.continuation_prompts(loaded.tokenizer, batch, length, length, FLAGS.seed)

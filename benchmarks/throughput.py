@@ -54,7 +54,8 @@ the output; strict is lossless.
 --plan=PROFILE.json (a profile from `python -m benchmarks.plan_profile`) adds two rows after the
 --methods: `static-best`, the profile's best strategy for the batch's context bucket and batch size
 (re-chosen when the context crosses a bucket, never refined at run time), and `plan`, the same
-planner with run-time refinement (`jaxspec.engine.planner`); both over the same stream.
+planner with run-time refinement (`jaxspec.engine.planner`); both over the same stream. A profile
+of SSV strategies plans with --draft_model (and --ssv_schedule for the reuse classes).
 --tp=N shards the model (and the draft model) over N devices (`jaxspec.model.sharding`); the
 copy ceiling in the JSON is still one device's. --disaggregate (short and long workloads) prefills
 the refills on a second device while the first one decodes (`Runner.serve`).
@@ -210,6 +211,19 @@ def phase_times(runner: Runner, state):
   """(state, draft / verify / select seconds per round and shares) over 4 rounds of `state`."""
   state, phases = runner.time_phases(state, rounds=4, warmup=1)
   return state, {k: v for k, v in phases.items() if k.endswith(("_share", "_per_round"))}
+
+
+def plan_ssv_settings(planner, model, draft_model) -> dict:
+  """A planner of SSV strategies: the Runner's draft model (--draft_model; none: the NSA model
+  drafts for itself) and, for the reuse classes, the refresh schedule (--ssv_schedule)."""
+  if not any(s.method == "ssv" for s in planner.strategies):
+    return {}
+  refresh = None
+  if planner.strategies[0].ssv_class in ssv.REUSE_CLASSES:
+    if not _SSV_SCHEDULE.value:
+      raise ValueError(f"--plan: SSV class {planner.strategies[0].ssv_class} needs --ssv_schedule")
+    refresh = ssv.load_schedule(_SSV_SCHEDULE.value, model)
+  return dict(draft_model=draft_model, refresh=refresh)
 
 
 def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_ids, backend: str
@@ -468,7 +482,8 @@ def main(argv):
             planner.refinement, max_switches=0)
         runner = Runner(loaded.model, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
                         sampling=sampling, stop_ids=stop_ids, backend=backend,
-                        planner=planning.Planner(planner.profile, planner.precision, refine))
+                        planner=planning.Planner(planner.profile, planner.precision, refine),
+                        **plan_ssv_settings(planner, loaded.model, draft_model))
         ratio = None
       else:
         ratio = parse_entry(entry)[1]

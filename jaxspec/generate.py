@@ -35,9 +35,11 @@ layer's selected blocks; approx shares one selection per group of rows). The reu
 the refresh/reuse schedule from --ssv_schedule, else the one `python -m jaxspec.ssv_calibrate`
 saved beside the model.
 --plan=PROFILE.json (from `python -m benchmarks.plan_profile`) lets the planner choose the
-self-drafting strategy (method, gamma, sparsity, tree) per context bucket and switch between
-chunks when acceptance stays below the profile's expectation (`jaxspec.engine.planner`); it
-replaces --method, --gamma, --sparsity and --tree.
+self-drafting strategy (method, gamma, sparsity, tree), or for an NSA model the SSV strategy
+(gamma or tree, class, group; with --draft_model, and --ssv_schedule for the reuse classes), per
+context bucket and switch between chunks when acceptance stays below the profile's expectation
+(`jaxspec.engine.planner`); it replaces --method, --gamma, --sparsity, --tree, --ssv_class and
+--ssv_group.
 Bad flags fail with one line before the model loads; Ctrl-C exits with status 130 and one line.
 """
 from __future__ import annotations
@@ -121,8 +123,9 @@ _TREE = flags.DEFINE_list("tree", None, "draft a tree of these widths per depth 
 _TREE_ORDER = flags.DEFINE_enum("tree_order", "bfs", ["bfs", "dfs"],
                                 "the order --tree's nodes are verified in")
 _PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.plan_profile): the "
-                            "planner picks and switches the self-drafting strategy; replaces "
-                            "--method, --gamma, --sparsity and --tree")
+                            "planner picks and switches the strategy (self-drafting, or SSV with "
+                            "--draft_model); replaces --method, --gamma, --sparsity, --tree, "
+                            "--ssv_class and --ssv_group")
 _PLAN_CLASS = flags.DEFINE_string("plan_class", None, "--plan: the precision class to plan in "
                                   "(default: the profile's only one)")
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "fraction of the KV cache drafts attend to")
@@ -220,6 +223,11 @@ def check_flags() -> SamplingParams:
   """Every check that needs no model, so that a bad flag fails before the model loads."""
   try:
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _MIN_P.value)
+    if _PLAN.value is not None:
+      given = [f"--{name}" for name in ("method", "gamma", "sparsity", "tree", "ssv_class",
+                                         "ssv_group") if flags.FLAGS[name].present]
+      if given:
+        raise ValueError(f"--plan chooses the strategy: drop {', '.join(given)}")
     requests.check_count("--max_new_tokens", _MAX_NEW.value)
     if _MAX_LEN.value is not None:
       requests.check_count("--max_len", _MAX_LEN.value, minimum=2)
@@ -231,7 +239,8 @@ def check_flags() -> SamplingParams:
                         score_kind=_SCORE.value)
     if _METHOD.value in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is None:
       raise ValueError(f"--method={_METHOD.value} needs --draft_model")
-    if _METHOD.value not in (*DRAFT_MODEL_METHODS, "ssv") and _DRAFT_MODEL.value is not None:
+    if (_METHOD.value not in (*DRAFT_MODEL_METHODS, "ssv") and _DRAFT_MODEL.value is not None
+        and _PLAN.value is None):   # a plan of SSV strategies drafts with --draft_model
       raise ValueError(f"--draft_model is only for --method=draft, specattn, sts or ssv, not "
                        f"--method={_METHOD.value}")
     if _METHOD.value == "ssv":
@@ -244,7 +253,7 @@ def check_flags() -> SamplingParams:
         raise ValueError("--method=ssv runs on one device (no --tp yet)")
     else:
       for flag in (_SSV_CLASS, _SSV_GROUP, _SSV_SCHEDULE):
-        if flag.value is not None:
+        if flag.value is not None and not (flag is _SSV_SCHEDULE and _PLAN.value is not None):
           raise ValueError(f"--{flag.name} is only for --method=ssv, not --method={_METHOD.value}")
     if _METHOD.value == "specattn":
       specattn.check_top_p(_TOP_P_ATTN.value)
@@ -258,11 +267,6 @@ def check_flags() -> SamplingParams:
       if _TP.value != 1:
         raise ValueError("--method=sts runs on one device (no --tp yet)")
     requests.check_count("--tp", _TP.value)
-    if _PLAN.value is not None:
-      given = [f"--{name}" for name in ("method", "gamma", "sparsity", "tree")
-               if flags.FLAGS[name].present]
-      if given:
-        raise ValueError(f"--plan chooses the strategy: drop {', '.join(given)}")
   except ValueError as e:
     fail(str(e))
   return sampling
@@ -309,10 +313,11 @@ def sts_head_map(target, draft):
   return sts_map.load_map(path, target.model, draft.model, _STS_BUDGET.value)
 
 
-def ssv_refresh(target) -> tuple[bool, ...] | None:
-  """The refresh/reuse schedule of an ssv reuse class: --ssv_schedule, else the one saved beside
-  the model; None for the other classes. Missing, or made for another model: ValueError."""
-  cls = _SSV_CLASS.value or "strict"
+def ssv_refresh(target, cls: str | None) -> tuple[bool, ...] | None:
+  """The refresh/reuse schedule of an ssv reuse class `cls` (None: strict): --ssv_schedule, else
+  the one saved beside the model; None for the other classes. Missing, or made for another model:
+  ValueError."""
+  cls = cls or "strict"
   if cls not in ssv.REUSE_CLASSES:
     return None
   path = _SSV_SCHEDULE.value
@@ -344,7 +349,10 @@ def main(argv):
     if _METHOD.value == "ssv" and loaded.model.cfg.nsa is None:
       raise ValueError(f"--method=ssv verifies a Native Sparse Attention model; {_MODEL.value} has "
                        "dense attention")
-    refresh = ssv_refresh(loaded) if _METHOD.value == "ssv" else None
+    # With --plan, the strategies' class (one per planner) decides, not --ssv_class.
+    plan_ssv = planner is not None and planner.strategies[0].method == "ssv"
+    ssv_class = planner.strategies[0].ssv_class if plan_ssv else _SSV_CLASS.value
+    refresh = ssv_refresh(loaded, ssv_class) if _METHOD.value == "ssv" or plan_ssv else None
   except (OSError, ValueError) as e:
     fail(str(e))
   tok = loaded.tokenizer

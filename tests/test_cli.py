@@ -147,6 +147,7 @@ def _plan_file(tmp_path, **drop):
 @pytest.mark.parametrize("extra, message", [
     (["--method=vegas"], "--plan chooses the strategy: drop --method"),
     (["--gamma=4", "--sparsity=0.1"], "--plan chooses the strategy: drop --gamma, --sparsity"),
+    (["--ssv_class=approx"], "--plan chooses the strategy: drop --ssv_class"),
 ])
 def test_plan_flags_fail_in_one_line(tmp_path, extra, message):
   res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", f"--plan={_plan_file(tmp_path)}",

@@ -150,6 +150,31 @@ def test_strategy_text_and_keys():
     assert "\n" not in str(e.value)
 
 
+def test_ssv_strategies_text_keys_and_precision_classes():
+  """SSV strategies: the class and group after '@', strict lossless ('exact'), every other class
+  its own precision class; the fields round-trip through JSON; bad ones are one line."""
+  strict = parse_strategy("ssv:4@strict.2")
+  assert (strict.key, strict.precision, strict.group, strict.spare) == ("ssv/g4/strict.G2",
+                                                                        "exact", 2, 5)
+  approx = parse_strategy("ssv:t2.1/dfs@approx.4")
+  assert (approx.key, approx.precision) == ("ssv/t2-1-dfs/approx.G4", "approx")
+  assert parse_strategy("ssv:4") == Strategy("ssv", 4, ssv_class="strict", group=1)
+  for s in (strict, approx):
+    assert Strategy.from_json(json.loads(json.dumps(s.to_json()))) == s
+  assert "ssv_class" not in A.to_json()          # self-drafting strategies' JSON is unchanged
+  for bad, message in (("ssv:4@nope", "SSV class"), ("ssv:4@strict.0", "SSV group"),
+                       ("ssv:4@strict.x", "cannot read")):
+    with pytest.raises(ValueError, match=message):
+      parse_strategy(bad)
+  with pytest.raises(ValueError, match="settings of SSV strategies"):
+    Strategy("vegas", 4, group=2)
+  with pytest.raises(ValueError, match="precision class 'reuse', not 'approx'"):
+    Strategy("ssv", 4, ssv_class="reuse", precision="approx")
+  planner = Planner(make_profile({(4096, 1): {strict: (3.0, 1.0), approx: (9.0, 1.0)}},
+                                 strategies=(strict, approx)), "exact")
+  assert planner.strategies == (strict,)         # the approx strategy is of another class
+
+
 def _good() -> dict:
   return make_profile(ONE_BUCKET).to_json()
 

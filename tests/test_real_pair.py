@@ -1,6 +1,6 @@
 """The real Qwen2.5-Coder pair (0.5B drafting for 1.5B, float32, one short chat prompt): draft-model
 decoding equals the 1.5B's greedy output; SpecAttn and STS equal greedy decoding of the 1.5B masked
-their way. Its own file so that one xdist worker holds the pair (13 GB) while the other runs the
+their way; strict SSV on the NSA-ified 1.5B equals that NSA model's greedy output. Its own file so that one xdist worker holds the pair (13 GB) while the other runs the
 rest."""
 import jax.numpy as jnp
 import pytest
@@ -65,3 +65,22 @@ def test_real_pair_sts_greedy_equals_the_masked_target(real_pair):
   assert 0 < stats.extra["kv_kept_share"] < 1
   assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 8,
                                  runner.sts.draft_scores, sts_plan(runner.sts))
+
+
+def test_real_pair_strict_ssv_on_the_nsaified_target_equals_its_greedy(real_pair):
+  """Strict SSV on the NSA-ified 1.5B (training-free, a degraded model, for this check only; NSA
+  scaled down to the short prompt: selection blocks of 8 tokens, 4 selected, a window of 8, so
+  every branch is sparse), the dense 0.5B drafting in merged groups of 2: greedy output equals the
+  NSA model's own one-token-a-step greedy decoding."""
+  from jaxspec.model.config import NSAConfig
+  from jaxspec.model.nsaify import nsaify
+  target, draft, ids = real_pair
+  assert len(ids[0]) > 4 * 8 + 8     # longer than the selected blocks and the window together
+  nsa_target = nsaify(target.model, NSAConfig(compress_block=4, compress_stride=2, select_block=8,
+                                              num_selected=4, window=8))
+  common = dict(stop_ids=(), cache_dtype=jnp.float32)
+  plain, _ = Runner(nsa_target, **common).generate(ids, max_new_tokens=8)
+  out, stats = Runner(nsa_target, method="ssv", draft_model=draft.model, gamma=4, ssv_group=2,
+                      **common).generate(ids, max_new_tokens=8)
+  assert out == plain
+  assert stats.extra["ssv_class"] == "strict" and stats.extra["ssv_group"] == 2

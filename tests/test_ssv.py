@@ -123,6 +123,34 @@ def test_reuse_and_approx_run_through_the_engine(target, draft, prompts):
   assert Runner(target, method="ssv", ssv_class="approx").draft_model is target
 
 
+def test_planned_strict_ssv_equals_plain_greedy(target, draft, prompts, plain):
+  """A planner over two strict SSV strategies (a chain of 2 in merged groups of 2, a (2, 1) tree
+  row by row): `benchmarks.plan_profile` measures both; planned generation switches mid-way (its
+  inflated expectation for the chain forces the fall) and the output stays the NSA model's greedy
+  decoding; a planner that mixes SSV with self-drafting strategies is refused."""
+  from benchmarks.plan_profile import profile as profile_strategies
+  from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Refinement,
+                                      Strategy, parse_strategy)
+  chain, tree = parse_strategy("ssv:2@strict.2"), parse_strategy("ssv:t2.1@strict.1")
+  profile = Profile({s.key: s for s in (chain, tree)}, (Bucket(128, 2, (
+      (chain.key, Expectation(50.0, 1.0)), (tree.key, Expectation(1.0, 0.1)))),))
+  planner = Planner(profile, refinement=Refinement(warmup_rounds=2, patience=1, max_switches=2))
+  runner = Runner(target, planner=planner, draft_model=draft, **SETTINGS)
+  measured = profile_strategies(runner, [chain, tree], [max(map(len, prompts)) + NEW],
+                                [len(prompts)], lambda b, n: prompts, chunk=2, warmup_chunks=0,
+                                chunks=1)
+  for (key, e), s in zip(measured.buckets[0].entries, (chain, tree)):
+    assert key == s.key and 1 <= e.accepted <= s.gamma + 1 and e.round_s > 0
+  out, stats = runner.generate(prompts, max_new_tokens=NEW, chunk=2)
+  assert out == plain
+  assert [(e["from"], e["to"]) for e in stats.extra["plan_switches"]] == [(chain.key, tree.key)]
+  assert set(stats.extra["plan_strategies"]) == {chain.key, tree.key}
+  mixed = Profile({s.key: s for s in (chain, Strategy("vegas", 2, 0.2))}, (Bucket(128, 2, (
+      (chain.key, Expectation(2.0, 1.0)), ("vegas/g2/r0.2", Expectation(2.0, 1.0)))),))
+  with pytest.raises(ValueError, match="not both"):
+    Runner(target, planner=Planner(mixed), draft_model=draft, **SETTINGS)
+
+
 def test_method_settings_refused_in_one_line(target, draft):
   cases = [
       (dict(model=draft, method="ssv"), "dense attention"),

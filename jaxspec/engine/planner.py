@@ -20,8 +20,12 @@ round), in two steps:
 
 A strategy (`Strategy`) is a hashable key that produces a `RunConfig`; it carries a precision
 class label (`precision`), and a planner only ever ranks the strategies of the class it was
-started in. Every strategy here is lossless ('exact'): switching changes the speed, never the
-distribution of the output (greedy output stays plain greedy decoding's in float32).
+started in. Self-drafting strategies (Vegas's methods) and strict SSV strategies are lossless
+('exact'): switching among them changes the speed, never the distribution of the output (greedy
+output stays plain greedy decoding's in float32). SSV strategies (method 'ssv': an NSA target, the
+runner's draft model, a gamma or tree, the SSV class and group) take their class as precision
+class: 'reuse', 'approx' and 'approx_reuse' CHANGE the output, each its own way, so a planner of
+such a class switches only among strategies that change it the same way (`jaxspec.ssv`).
 
 A request group is the batch that one compiled chunk decodes: the chunk is shared, so one
 strategy runs the whole batch, and its EMA is the batch's mean over active sequences.
@@ -45,6 +49,7 @@ PROFILE_VERSION = 1
 # Self-drafting methods whose drafter state is one `Sparse` plan of [L, B, k_max] token indices:
 # `switch_state` can carry it from one strategy to another.
 PLANNABLE = ("vegas", "vegas-all", "vegas-last")
+SSV = "ssv"    # draft-model strategies over an NSA target: the state carries over unchanged
 EXACT = "exact"
 
 
@@ -57,22 +62,39 @@ class ProfileError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-  """One precompiled variant: a self-drafting method with its gamma, KV ratio and draft shape.
+  """One precompiled variant: a self-drafting method with its gamma, KV ratio and draft shape, or
+  SSV (method 'ssv') with its gamma or tree, class and group.
 
   tree: widths per depth ((2, 2, 1, 1)) or None for a chain of gamma drafts; with a tree, gamma
   is its depth. precision: the precision class this strategy belongs to (a label; every
-  self-drafting strategy is lossless, 'exact')."""
+  self-drafting strategy is lossless, 'exact'; an SSV strategy's is its class's, `ssv_precision`).
+  ssv_class, group: SSV's class and rows per group (`jaxspec.ssv`), for method 'ssv' only;
+  sparsity means nothing there."""
   method: str = "vegas"
   gamma: int = 6
   sparsity: float = 0.07
   tree: tuple[int, ...] | None = None
   tree_order: str = "bfs"
   precision: str = EXACT
+  ssv_class: str = "strict"
+  group: int = 1
 
   def __post_init__(self):
-    if self.method not in PLANNABLE:
-      raise ValueError(f"the planner switches among methods {', '.join(PLANNABLE)}, "
+    from jaxspec import ssv
+    if self.method not in (*PLANNABLE, SSV):
+      raise ValueError(f"the planner switches among methods {', '.join((*PLANNABLE, SSV))}, "
                        f"not {self.method!r}")
+    if self.method == SSV:
+      ssv.check_class(self.ssv_class, "a strategy's SSV class")
+      object.__setattr__(self, "group", ssv.check_group(self.group, "a strategy's SSV group"))
+      own = ssv_precision(self.ssv_class)
+      if self.precision not in (EXACT, own):
+        raise ValueError(f"an SSV strategy of class {self.ssv_class!r} is of precision class "
+                         f"{own!r}, not {self.precision!r}")
+      object.__setattr__(self, "precision", own)
+    elif (self.ssv_class, self.group) != ("strict", 1):
+      raise ValueError(f"ssv_class and group are settings of SSV strategies, not of "
+                       f"{self.method!r}")
     if not isinstance(self.gamma, int) or isinstance(self.gamma, bool) or self.gamma < 1:
       raise ValueError(f"a strategy's gamma must be a positive integer, got {self.gamma!r}")
     if not isinstance(self.sparsity, (int, float)) or not 0 < self.sparsity <= 1:
@@ -92,10 +114,12 @@ class Strategy:
 
   @property
   def key(self) -> str:
-    """A short stable name, used in profiles and logs: 'vegas/g6/r0.07' or
-    'vegas/t2-2-1-1-bfs/r0.07'."""
+    """A short stable name, used in profiles and logs: 'vegas/g6/r0.07',
+    'vegas/t2-2-1-1-bfs/r0.07' or 'ssv/g4/strict.G2'."""
     shape = (f"g{self.gamma}" if self.tree is None
              else f"t{'-'.join(map(str, self.tree))}-{self.tree_order}")
+    if self.method == SSV:
+      return f"{self.method}/{shape}/{self.ssv_class}.G{self.group}"
     return f"{self.method}/{shape}/r{self.sparsity:g}"
 
   @property
@@ -110,9 +134,12 @@ class Strategy:
     return size
 
   def to_json(self) -> dict:
-    return {"method": self.method, "gamma": self.gamma, "sparsity": self.sparsity,
-            "tree": None if self.tree is None else list(self.tree),
-            "tree_order": self.tree_order, "precision": self.precision}
+    d = {"method": self.method, "gamma": self.gamma, "sparsity": self.sparsity,
+         "tree": None if self.tree is None else list(self.tree),
+         "tree_order": self.tree_order, "precision": self.precision}
+    if self.method == SSV:
+      d.update(ssv_class=self.ssv_class, group=self.group)
+    return d
 
   @classmethod
   def from_json(cls, d: Any) -> "Strategy":
@@ -126,11 +153,15 @@ class Strategy:
 
   def run_config(self, base, *, min_tokens: int, score_kind: str, mesh=None):
     """`base` (a `RunConfig` for the cache's capacity, with the runner's sampling, stop ids,
-    backend and dtype) with this strategy's gamma, drafter and tree."""
+    backend and dtype; for an SSV strategy, the runner's draft model and SSV settings) with this
+    strategy's gamma, drafter and tree (and SSV class and group)."""
     from jaxspec.drafting import policies
     from jaxspec.drafting.self_drafting import SelfDrafter
     from jaxspec.drafting.trees import Tree
     tree = None if self.tree is None else Tree.from_widths(self.tree, self.tree_order)
+    if self.method == SSV:
+      ssv = dataclasses.replace(base.ssv, ssv_class=self.ssv_class, group=self.group)
+      return dataclasses.replace(base, gamma=self.gamma, tree=tree, ssv=ssv)
     policy = policies.make_policy(
         self.method, ratio=self.sparsity, min_tokens=min_tokens,
         k_max=policies.static_k_max(base.capacity, self.sparsity, min_tokens),
@@ -138,15 +169,26 @@ class Strategy:
     return dataclasses.replace(base, gamma=self.gamma, drafter=SelfDrafter(policy), tree=tree)
 
 
+def ssv_precision(ssv_class: str) -> str:
+  """An SSV class's precision class: strict is lossless ('exact'); the others are their own."""
+  return EXACT if ssv_class == "strict" else ssv_class
+
+
 def parse_strategy(text: str, precision: str = EXACT) -> Strategy:
   """'vegas:6@0.07', 'vegas-all:4', 'vegas:t2.2.1.1@0.1' (a tree of widths 2, 2, 1, 1;
-  ':t2.2.1.1/dfs' verifies it in dfs order), 'vegas' (gamma 6, ratio 0.07) -> a Strategy.
-  One-line ValueError on bad text."""
+  ':t2.2.1.1/dfs' verifies it in dfs order), 'vegas' (gamma 6, ratio 0.07); for SSV the part
+  after '@' is the class and group: 'ssv:4@strict.2', 'ssv:t2.1@approx.4', 'ssv:4' (strict,
+  groups of 1) -> a Strategy. One-line ValueError on bad text."""
   rest, _, ratio = text.strip().partition("@")
   method, _, shape = rest.partition(":")
   kw: dict = {"method": method, "precision": precision}
   try:
-    if ratio:
+    if ratio and method == SSV:
+      cls, _, group = ratio.partition(".")
+      kw["ssv_class"] = cls
+      if group:
+        kw["group"] = int(group)
+    elif ratio:
       kw["sparsity"] = float(ratio)
     if shape.startswith("t"):
       widths, _, order = shape[1:].partition("/")
@@ -157,7 +199,8 @@ def parse_strategy(text: str, precision: str = EXACT) -> Strategy:
       kw["gamma"] = int(shape)
   except ValueError:
     raise ValueError(f"cannot read strategy {text!r}: write method[:gamma | :tWIDTHS[/order]]"
-                     "[@ratio], e.g. vegas:6@0.07 or vegas:t2.2.1.1@0.07") from None
+                     "[@ratio | @class[.group] for ssv], e.g. vegas:6@0.07, vegas:t2.2.1.1@0.07 "
+                     "or ssv:4@strict.2") from None
   return Strategy(**kw)
 
 
@@ -338,7 +381,8 @@ class Planner:
   def strategies(self) -> tuple[Strategy, ...]:
     """Every strategy of the class in some bucket, in the profile's order."""
     keys = {k for b in self.buckets for k, _ in b.entries}
-    return tuple(s for k, s in self.profile.strategies.items() if k in keys)
+    return tuple(s for k, s in self.profile.strategies.items()
+                 if k in keys and s.precision == self.precision)
 
   @property
   def spare(self) -> int:
@@ -451,11 +495,16 @@ class Controller:
 
 
 def switch_state(state, config):
-  """`state` (a self-drafting `SpecState`) made ready for `config`'s strategy: the acceptance
-  histogram restarts at the new gamma's width (the runner keeps the old one's counts), and the
-  pending draft plan's index buffer is cut or padded to the new policy's k_max (its counts
-  clamped). Any plan keeps drafting lossless; a cut one keeps the earliest selected positions
-  for one round, until the next verification selects with the new ratio."""
+  """`state` (a `SpecState`) made ready for `config`'s strategy: the acceptance histogram restarts
+  at the new gamma's width (the runner keeps the old one's counts). Self-drafting: the pending
+  draft plan's index buffer is cut or padded to the new policy's k_max (its counts clamped); any
+  plan keeps drafting lossless, and a cut one keeps the earliest selected positions for one
+  round, until the next verification selects with the new ratio. SSV: nothing else changes (the
+  draft model's cache is the same for every strategy)."""
+  b = state.accept_hist.shape[0]
+  hist = jnp.zeros((b, config.gamma + 1), jnp.int32)
+  if config.ssv is not None:   # SSV: the draft model's cache does not depend on the strategy
+    return state.replace(accept_hist=hist)
   plan = state.drafter
   k = config.drafter.policy.k_max
   have = plan.indices.shape[-1]
@@ -464,8 +513,7 @@ def switch_state(state, config):
   else:
     idx = jnp.pad(plan.indices, [(0, 0)] * (plan.indices.ndim - 1) + [(0, k - have)])
   plan = plan.replace(indices=idx, counts=jnp.minimum(plan.counts, k))
-  b = state.accept_hist.shape[0]
-  return state.replace(drafter=plan, accept_hist=jnp.zeros((b, config.gamma + 1), jnp.int32))
+  return state.replace(drafter=plan, accept_hist=hist)
 
 
 def accepted_per_round(hist_delta: Sequence[Sequence[int]]) -> tuple[int, float]:

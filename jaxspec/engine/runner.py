@@ -33,8 +33,9 @@ N devices (`jaxspec.model.sharding`); the loops are the same code, partitioned b
 attention kernels under `shard_map`. A model loaded with `load_model(..., tp=N)` is already placed.
 
 Adaptive speculation: `Runner(model, planner=Planner.load(profile))` lets a planner
-(`jaxspec.engine.planner`) choose among self-drafting strategies (method, gamma, sparsity, tree) and
-switch the state between them at chunk boundaries in `generate` and `serve`.
+(`jaxspec.engine.planner`) choose among self-drafting strategies (method, gamma, sparsity, tree), or
+among SSV strategies (gamma or tree, class, group) of one precision class, and switch the state
+between them at chunk boundaries in `generate` and `serve`.
 
 KV offload: `Runner(..., method="sts", kv_offload="prefetch")` (or "on_demand") keeps the target's
 KV cache in host memory and copies each round's selected rows to the device
@@ -179,8 +180,10 @@ class Runner:
   reuse classes, the refresh/reuse schedule (one bool per layer, `jaxspec.ssv.load_schedule`),
   see `jaxspec.ssv.SSVConfig`; method 'ssv' without a draft model drafts with the NSA model itself.
   planner: a `jaxspec.engine.planner.Planner` whose strategies (self-drafting method, gamma,
-  sparsity, tree) `generate` and `serve` switch among at chunk boundaries: leave method, gamma,
-  sparsity and tree unset then (one cache, sized for the largest strategy, serves them all).
+  sparsity, tree; or SSV's gamma or tree, class and group, with `draft_model` and, for the reuse
+  classes, `refresh` given here) `generate` and `serve` switch among at chunk boundaries: leave
+  method, gamma, sparsity, tree, ssv_class and ssv_group unset then (one cache, sized for the
+  largest strategy, serves them all).
   Bad arguments raise a one-line ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
@@ -197,13 +200,19 @@ class Runner:
                ssv_group: int | None = None, refresh: Sequence[bool] | None = None):
     self.planner = planner
     if planner is not None:
-      if method != "none" or gamma is not None or tree is not None or sparsity != 0.07:
-        raise ValueError("with a planner its strategies set method, gamma, sparsity and tree: "
-                         "leave them unset")
+      if (method != "none" or gamma is not None or tree is not None or sparsity != 0.07
+          or ssv_class is not None or ssv_group is not None):
+        raise ValueError("with a planner its strategies set method, gamma, sparsity, tree and "
+                         "SSV class and group: leave them unset")
+      if len({s.method == "ssv" for s in planner.strategies}) > 1:
+        raise ValueError("a planner's strategies either all draft for themselves or all verify "
+                         "with SSV (an NSA target and a draft model), not both")
       first = planner.strategies[0]    # what the runner's own settings describe (time_phases)
       method, sparsity, tree, tree_order = (first.method, first.sparsity, first.tree,
                                             first.tree_order)
       gamma = None if tree is not None else first.gamma
+      if method == "ssv":
+        ssv_class, ssv_group = first.ssv_class, first.group
     if method not in METHODS:
       raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in DRAFT_MODEL_METHODS and draft_model is None:

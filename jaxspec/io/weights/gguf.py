@@ -237,8 +237,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
   file's path, size and modification time, and later loads read that copy."""
   from transformers import AutoTokenizer
   path = Path(path)
-  cached = tokenizer_cache_path(path)
-  if cached.is_dir():
+  cached = tokenizer_cache_path(path) if path.is_file() else None
+  if cached is not None and cached.is_dir():
     try:
       return AutoTokenizer.from_pretrained(str(cached))
     except Exception:   # a damaged copy: build from the GGUF again below, and replace it
@@ -249,7 +249,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
   except Exception as e:
     raise WeightsError(f"{path}: transformers could not build a tokenizer from the GGUF "
                        f"metadata: {type(e).__name__}: {e}") from e
-  _save_copy(tokenizer, cached)
+  if cached is not None:
+    _save_copy(tokenizer, cached)
   return tokenizer
 
 
