@@ -127,7 +127,8 @@ def test_planned_strict_ssv_equals_plain_greedy(target, draft, prompts, plain):
   """A planner over two strict SSV strategies (a chain of 2 in merged groups of 2, a (2, 1) tree
   row by row): `benchmarks.plan_profile` measures both; planned generation switches mid-way (its
   inflated expectation for the chain forces the fall) and the output stays the NSA model's greedy
-  decoding; a planner that mixes SSV with self-drafting strategies is refused."""
+  decoding; a planner that mixes SSV with self-drafting strategies is refused, and so is a tree
+  strategy drafted by an NSA model."""
   from benchmarks.plan_profile import profile as profile_strategies
   from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Refinement,
                                       Strategy, parse_strategy)
@@ -149,6 +150,8 @@ def test_planned_strict_ssv_equals_plain_greedy(target, draft, prompts, plain):
       (chain.key, Expectation(2.0, 1.0)), ("vegas/g2/r0.2", Expectation(2.0, 1.0)))),))
   with pytest.raises(ValueError, match="not both"):
     Runner(target, planner=Planner(mixed), draft_model=draft, **SETTINGS)
+  with pytest.raises(ValueError, match="drafts chains only"):   # self-drafting: NSA drafts
+    Runner(target, planner=planner, **SETTINGS)
 
 
 def test_method_settings_refused_in_one_line(target, draft):

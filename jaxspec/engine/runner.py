@@ -254,7 +254,9 @@ class Runner:
       if method not in NSA_METHODS:
         raise ValueError(f"NSA models run method 'none', 'draft' or 'ssv': {method!r} picks KV "
                          "by attention scores, which Native Sparse Attention does not collect")
-      if draft_model is not None and draft_model.cfg.nsa is not None and self.tree is not None:
+      trees = self.tree is not None or (planner is not None and any(
+          st.tree is not None for st in planner.strategies))
+      if draft_model is not None and draft_model.cfg.nsa is not None and trees:
         raise ValueError("an NSA draft model drafts chains only (a tree level attends over part "
                          "of the tree's window); use a dense draft model for a draft tree")
     if method == "none":
