@@ -218,12 +218,19 @@ def plan_ssv_settings(planner, model, draft_model) -> dict:
   drafts for itself) and, for the reuse classes, the refresh schedule (--ssv_schedule)."""
   if not any(s.method == "ssv" for s in planner.strategies):
     return {}
-  refresh = None
-  if planner.strategies[0].ssv_class in ssv.REUSE_CLASSES:
-    if not _SSV_SCHEDULE.value:
-      raise ValueError(f"--plan: SSV class {planner.strategies[0].ssv_class} needs --ssv_schedule")
-    refresh = ssv.load_schedule(_SSV_SCHEDULE.value, model)
-  return dict(draft_model=draft_model, refresh=refresh)
+  cls = planner.strategies[0].ssv_class
+  return dict(draft_model=draft_model,
+              refresh=reuse_schedule(cls, model, f"--plan: SSV class {cls}"))
+
+
+def reuse_schedule(cls: str, model, what: str) -> tuple[bool, ...] | None:
+  """--ssv_schedule checked against `model` for a reuse class `cls`; None for the other classes.
+  `what` opens the one-line error when the flag is missing."""
+  if cls not in ssv.REUSE_CLASSES:
+    return None
+  if not _SSV_SCHEDULE.value:
+    raise ValueError(f"{what} needs --ssv_schedule")
+  return ssv.load_schedule(_SSV_SCHEDULE.value, model)
 
 
 def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_ids, backend: str
@@ -245,12 +252,8 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
     settings = dict(sts_budget=budget, sts_block=_STS_BLOCK.value, head_map=head_map)
   elif method == "ssv":
     cls, group = ssv_entry(entry)
-    refresh = None
-    if cls in ssv.REUSE_CLASSES:
-      if not _SSV_SCHEDULE.value:
-        raise ValueError(f"{entry!r}: ssv class {cls} needs --ssv_schedule")
-      refresh = ssv.load_schedule(_SSV_SCHEDULE.value, model)
-    settings = dict(ssv_class=cls, ssv_group=group, refresh=refresh)
+    settings = dict(ssv_class=cls, ssv_group=group,
+                    refresh=reuse_schedule(cls, model, f"{entry!r}: ssv class {cls}"))
   else:
     settings = dict(sparsity=ratio)
   return Runner(model, method=method, gamma=None if widths else g,
