@@ -93,19 +93,23 @@ def time_batched(fn: Callable[..., object], arg_sets: Sequence[tuple], *,
   return statistics.median(times)
 
 
-def time_chain(fn: Callable[..., object], args: tuple, n: int = 8, **batched) -> float:
+def time_chain(fn: Callable[..., object], arg_sets: Sequence[tuple], n: int = 8,
+               **batched) -> float:
   """Device seconds per call: n calls chained in one program (each one's first argument depends
   on the previous output, so none can be hoisted or overlapped), one dispatch for all of them;
   this removes the Python dispatch cost that wall-clock batches include for calls under ~50 us.
-  `batched`: time_batched's keywords."""
-  def chain(q, *rest):
+  Call i reads arg_sets[i % len(arg_sets)]: give several sets whose inputs together exceed the
+  L2 cache, or a call finds what the call before it read still there. `batched`: time_batched's
+  keywords."""
+  def chain(sets):
     acc = jnp.zeros((), jnp.float32)
-    for _ in range(n):
+    for i in range(n):
+      q, *rest = sets[i % len(sets)]
       out = fn(q + (acc * 0).astype(q.dtype), *rest)
       out = out[0] if isinstance(out, tuple) else out
       acc = acc + out.reshape(-1)[0].astype(jnp.float32)
     return acc
-  return time_batched(jax.jit(chain), [args], **batched) / n
+  return time_batched(jax.jit(chain), [(list(arg_sets),)], **batched) / n
 
 
 def copy_rates(nbytes: int = 4 << 30, chain: int = 10) -> dict[str, float]:

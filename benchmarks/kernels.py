@@ -69,9 +69,11 @@ def time_jax(fn, arg_sets) -> float:
   return time_batched(fn, arg_sets, batch_seconds=FLAGS.batch_seconds, batches=FLAGS.batches)
 
 
-def time_chain(fn, args, n: int = 8) -> float:
-  """Device seconds per call, n calls chained in one program (`benchmarks.common.time_chain`)."""
-  return common_time_chain(fn, args, n, batch_seconds=FLAGS.batch_seconds, batches=FLAGS.batches)
+def time_chain(fn, arg_sets, n: int = 8) -> float:
+  """Device seconds per call, n calls chained in one program, rotating through arg_sets
+  (`benchmarks.common.time_chain`)."""
+  return common_time_chain(fn, arg_sets, n, batch_seconds=FLAGS.batch_seconds,
+                           batches=FLAGS.batches)
 
 
 def time_torch(fn) -> float | None:
@@ -409,7 +411,7 @@ def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(
     extra = dict(mode=mode, knobs=knobs) if knobs else dict(mode=mode)
     record(name, f"pallas {label}", lambda fn=fn: time_jax(fn, qs), nbytes, **extra)
     if chain and not knobs:
-      record(name, f"pallas {label} [chained]", lambda fn=fn: time_chain(fn, qs[0]), nbytes,
+      record(name, f"pallas {label} [chained]", lambda fn=fn: time_chain(fn, qs), nbytes,
              timing="chained", **extra)
   if with_ref:
     kind = None if t == 1 else "logits"
@@ -457,7 +459,7 @@ def sparse_case(model, b, s, kk, t, per_head=False, sort=True, with_ref=True, va
     return
   record(name, "pallas", lambda: time_jax(sparse_attention, qs), nbytes)
   if chain:
-    record(name, "pallas [chained]", lambda: time_chain(sparse_attention, qs[0]), nbytes,
+    record(name, "pallas [chained]", lambda: time_chain(sparse_attention, qs), nbytes,
            timing="chained")
   for knobs in variants:
     fn = functools.partial(sparse_attention, **knobs)
@@ -467,7 +469,7 @@ def sparse_case(model, b, s, kk, t, per_head=False, sort=True, with_ref=True, va
     fn = functools.partial(xla_gather_attention, tail_w=tail + t)
     record(name, "xla gather+attention", lambda: time_jax(fn, qs), nbytes)
     if chain:
-      record(name, "xla gather+attention [chained]", lambda: time_chain(fn, qs[0]), nbytes,
+      record(name, "xla gather+attention [chained]", lambda: time_chain(fn, qs), nbytes,
              timing="chained")
   del k, v, qs
 

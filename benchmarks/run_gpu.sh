@@ -147,6 +147,7 @@ for step in "$@"; do
     ssv)
       # SSV's kernels on synthetic selections, and the overlap on the NSA-ified 1.5B (needs
       # MODEL=1.5b prep first).
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.75   # torch's copy (the ceiling) needs room beside JAX
       python3 -m benchmarks.ssv --model=nsa:/tmp/ckpt/qwen2.5-coder-1.5b --evals=${EVALS:-kernel,overlap} \
         --contexts=${CONTEXTS:-8K,16K} --passages=${PASSAGES:-4} \
         --out=$OUT/ssv${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -24 ;;

@@ -122,9 +122,10 @@ def test_a_missing_model_is_a_one_line_error(tmp_path):
   assert not (tmp_path / "x.json").exists()
 
 
-def test_time_chain_traces_n_calls_into_one_program():
+def test_time_chain_traces_n_calls_into_one_program_rotating_the_inputs():
   """`benchmarks.common.time_chain`, the kernel evaluation's timer on a GPU: the n calls are
-  traced into one jitted program (one dispatch for all of them), and it reports seconds per
+  traced into one jitted program (one dispatch for all of them), call i reads arg set
+  i % len(sets) (so inputs that fit in L2 are not timed from it), and it reports seconds per
   call."""
   from benchmarks.common import time_chain
   traced = []
@@ -133,6 +134,7 @@ def test_time_chain_traces_n_calls_into_one_program():
     traced.append(q.shape)
     return q * scale
 
-  seconds = time_chain(fn, (jnp.ones(4), 2.0), n=3, batch_seconds=1e-3, batches=1)
-  assert traced == [(4,)] * 3
+  sets = [(jnp.ones(4), 2.0), (jnp.ones(5), 3.0)]
+  seconds = time_chain(fn, sets, n=3, batch_seconds=1e-3, batches=1)
+  assert traced == [(4,), (5,), (4,)]
   assert 0 < seconds < 1
