@@ -23,7 +23,8 @@ Evaluations (--evals):
   kernel    the paper's kernel benchmark (its Section 7.3) on synthetic selections: --kernel_rows
             rows T verified at --kernel_context, each row's n = 16 blocks sharing --kernel_overlaps
             of them with the row before (3: only the initial and 2 local blocks, which NSA always
-            selects; 15: all but one), at --kernel_shape (Hq/Hkv/D). The fused selected + window
+            selects; 15: all but one), at --kernel_shape (Hq/Hkv/D), for --kernel_batch
+            sequences with their own selections (1: the latency case). The fused selected + window
             kernel (`nsa_select_window`) per query (groups of 1), under the exact merged schedule
             and under the shared index for each --groups G <= T; the routing launch with and
             without the block importance (what a reuse layer skips) and the top-n. Each time
@@ -95,6 +96,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                     "the row before, of n = 16", **f)
   flags.DEFINE_string("kernel_context", "32K", "kernel: tokens in the cache before the rows", **f)
   flags.DEFINE_string("kernel_shape", "64/4/128", "kernel: query heads/KV heads/head dim", **f)
+  flags.DEFINE_integer("kernel_batch", 1, "kernel: sequences verified together, each with its "
+                       "own selections (1 is the latency case: one program per KV head and row "
+                       "group; a serving batch fills the GPU)", **f)
   flags.DEFINE_integer("copy_bytes", 4 << 30, "kernel: bytes of the copy that measures the "
                        "device's copy rate", **f)
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and cache", **f)
@@ -102,7 +106,7 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
 
 
 FLAG_NAMES = ("evals", "contexts", "passages", "rows", "groups", "kernel_rows", "kernel_overlaps",
-              "kernel_context", "kernel_shape", "copy_bytes")
+              "kernel_context", "kernel_shape", "kernel_batch", "copy_bytes")
 
 
 def parse_flags(v: dict) -> dict:
@@ -139,10 +143,12 @@ def parse_flags(v: dict) -> dict:
                      f"blocks: room for rows that share few blocks), got {v['kernel_context']}")
   if v["copy_bytes"] < 1 << 20:
     raise ValueError(f"--copy_bytes must be at least 1 MiB, got {v['copy_bytes']}")
+  if v["kernel_batch"] < 1:
+    raise ValueError(f"--kernel_batch must be >= 1, got {v['kernel_batch']}")
   return dict(evals=evals, contexts=contexts, passages=v["passages"], rows=v["rows"],
               groups=groups, kernel_rows=kernel_rows, kernel_overlaps=overlaps,
               kernel_context=kernel_context, kernel_shape=tuple(int(x) for x in shape),
-              copy_bytes=v["copy_bytes"])
+              kernel_batch=v["kernel_batch"], copy_bytes=v["copy_bytes"])
 
 
 def _int_entry(text, name: str, low: int, high: int) -> int:
@@ -313,27 +319,28 @@ def read_bytes(indices: np.ndarray, group: int, shared: bool, shape: tuple[int, 
 
 
 def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
-  """The kernel rows of the JSON (module docstring), on one sequence."""
+  """The kernel rows of the JSON (module docstring), on --kernel_batch sequences."""
   from benchmarks.common import copy_ceiling, time_chain, time_fn
   from jaxspec.model import nsa
   from pallas_kernels import nsa_attention as kernels
   cfg = KERNEL_NSA
   hq, hkv, d = v["kernel_shape"]
-  context = v["kernel_context"]
+  context, batch = v["kernel_context"], v["kernel_batch"]
   itemsize = jnp.dtype(dtype).itemsize
   rate, rates = copy_ceiling(v["copy_bytes"])
   rng = np.random.default_rng(0)
   keys = jax.random.split(jax.random.PRNGKey(0), 6)
   longest = max(v["kernel_rows"])
   capacity = se.capacity_for(context + longest)
-  # Chained calls rotate through copies of the caches: one sequence's selected blocks (~25 MB at
-  # the paper's shapes) fit in a Hopper L2 (50 MB), so calls over one copy would time the L2.
+  # Chained calls rotate through copies of the caches: one sequence's selected blocks (up to
+  # ~26 MB at the paper's shapes) fit in a Hopper L2 (50 MB), so calls over one copy would time
+  # the L2.
   copies = 1 if interpret else KV_COPIES
   c = nsa.num_compressed(capacity, cfg)
   caches = [tuple(jax.random.normal(kk, shape, dtype) for kk, shape in zip(
       jax.random.split(jax.random.fold_in(keys[0], i), 4),
-      [(1, capacity, hkv, d)] * 2 + [(1, c, hkv, d)] * 2)) for i in range(copies)]
-  lengths = jnp.asarray([context], jnp.int32)
+      [(batch, capacity, hkv, d)] * 2 + [(batch, c, hkv, d)] * 2)) for i in range(copies)]
+  lengths = jnp.full((batch,), context, jnp.int32)
   select = jax.jit(nsa.select_blocks, static_argnums=2)
   rows = []
   bar = tqdm(total=len(v["kernel_rows"]) * len(v["kernel_overlaps"]), desc="kernels",
@@ -353,11 +360,11 @@ def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
 
   with bar:
     for t in v["kernel_rows"]:
-      q = jax.random.normal(keys[4], (1, t, hq, d), dtype)
-      cmp = jax.random.normal(keys[5], (1, t, hq, d), jnp.float32)
-      gates = jnp.full((1, t, hq, 3), 0.5, jnp.float32)
+      q = jax.random.normal(keys[4], (batch, t, hq, d), dtype)
+      cmp = jax.random.normal(keys[5], (batch, t, hq, d), jnp.float32)
+      gates = jnp.full((batch, t, hq, 3), 0.5, jnp.float32)
       positions = np.arange(context, context + t)
-      pos = jnp.asarray(positions[None], jnp.int32)
+      pos = jnp.asarray(np.broadcast_to(positions, (batch, t)), jnp.int32)
       num_blocks = nsa.num_select_blocks(capacity, cfg)
       compressed = functools.partial(kernels.nsa_compressed, cfg=cfg, num_blocks=num_blocks,
                                      interpret=interpret)
@@ -367,28 +374,31 @@ def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
       importance = compressed(*routing_args[0])[1]
       top_n = timed(lambda imp: select(imp, pos, cfg), [(importance,)])
       for overlap in v["kernel_overlaps"]:
-        idx = synthetic_indices(rng, positions, hkv, overlap, cfg)
-        indices = jnp.asarray(idx[None])
+        idx = np.stack([synthetic_indices(rng, positions, hkv, overlap, cfg)
+                        for _ in range(batch)])
+        indices = jnp.asarray(idx)
+
+        def nbytes(ind, group, shared):
+          return sum(read_bytes(np.asarray(x), group, shared, (hq, hkv, d), cfg, itemsize)
+                     for x in ind)
 
         def fused(group, shared, ind=indices):
           return (functools.partial(kernels.nsa_select_window, cfg=cfg, group=group,
                                     shared=shared, interpret=interpret),
                   [(q, k, vv, lengths, pos, ind, gates, cmp) for k, vv, _, _ in caches])
-        per_query = timed(*fused(1, False), read_bytes(idx, 1, False, (hq, hkv, d), cfg, itemsize))
+        per_query = timed(*fused(1, False), nbytes(idx, 1, False))
         row = dict(rows=t, overlap=overlap, per_query=per_query, routing=routing,
                    routing_without_importance=reuse, top_n=top_n)
         for g in [g for g in v["groups"] if g <= t]:
-          merged = timed(*fused(g, False), read_bytes(idx, g, False, (hq, hkv, d), cfg, itemsize))
+          merged = timed(*fused(g, False), nbytes(idx, g, False))
           shared_idx = nsa.shared_indices(indices, g)
-          shared = timed(*fused(g, True, shared_idx),
-                         read_bytes(np.asarray(shared_idx[0]), g, True, (hq, hkv, d), cfg,
-                                    itemsize))
+          shared = timed(*fused(g, True, shared_idx), nbytes(shared_idx, g, True))
           merged["speedup"] = round(per_query["us"] / merged["us"], 2)
           shared["speedup"] = round(per_query["us"] / shared["us"], 2)
           row[f"merged_{g}"], row[f"shared_{g}"] = merged, shared
         rows.append(row)
         bar.update(1)
-  return dict(shape=dict(heads=hq, kv_heads=hkv, head_dim=d), context=context,
+  return dict(shape=dict(heads=hq, kv_heads=hkv, head_dim=d), context=context, batch=batch,
               nsa=dataclasses.asdict(cfg), copy_gb_s=rates, interpret=interpret, rows=rows)
 
 

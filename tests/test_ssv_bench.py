@@ -61,7 +61,7 @@ def test_read_bytes_count_shared_blocks_once():
 
 FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2", "4"],
              kernel_rows=["8"], kernel_overlaps=["3"], kernel_context="4K", kernel_shape="4/2/16",
-             copy_bytes=1 << 20)
+             kernel_batch=1, copy_bytes=1 << 20)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -70,7 +70,7 @@ FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2
     (dict(groups=["32"]), "--groups"), (dict(passages=0), "--passages"),
     (dict(kernel_overlaps=["16"]), "--kernel_overlaps"), (dict(kernel_rows=["1"]), "--kernel_rows"),
     (dict(kernel_shape="6/4/16"), "--kernel_shape"), (dict(kernel_context="1K"), "at least 2304"),
-    (dict(copy_bytes=10), "--copy_bytes")])
+    (dict(copy_bytes=10), "--copy_bytes"), (dict(kernel_batch=0), "--kernel_batch")])
 def test_bad_flags_are_one_line_errors(change, message):
   with pytest.raises(ValueError, match=re.escape(message)) as e:
     bench.parse_flags(dict(FLAGS, **change))
@@ -96,16 +96,18 @@ def test_smoke_run_writes_json_and_pngs(tmp_path):
 
 
 def test_kernel_smoke_run(tmp_path):
-  """The kernel evaluation in interpret mode (the times mean nothing): every schedule's row."""
+  """The kernel evaluation in interpret mode (the times mean nothing), two sequences: every
+  schedule's row."""
   out = tmp_path / "k.json"
   res = subprocess.run([sys.executable, "-m", "benchmarks.ssv", "--evals=kernel",
                         "--kernel_rows=4", "--kernel_overlaps=3,14", "--kernel_context=2304",
-                        "--kernel_shape=4/2/16", "--groups=2,4", "--copy_bytes=1048576",
-                        "--dtype=float32", f"--out={out}"], capture_output=True, text=True,
-                       timeout=600)
+                        "--kernel_shape=4/2/16", "--kernel_batch=2", "--groups=2,4",
+                        "--copy_bytes=1048576", "--dtype=float32", f"--out={out}"],
+                       capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-2000:]
   data = json.loads(out.read_text())["kernel"]
-  assert data["interpret"] and [r["overlap"] for r in data["rows"]] == [3, 14]
+  assert data["interpret"] and data["batch"] == 2
+  assert [r["overlap"] for r in data["rows"]] == [3, 14]
   row = data["rows"][1]
   assert {"per_query", "merged_2", "shared_2", "merged_4", "shared_4", "routing",
           "routing_without_importance", "top_n"} <= set(row)
