@@ -35,8 +35,9 @@
 #               made once beside the 1.5B), then WINDOWS (default 8) windows of 2048 tokens
 #   sparse_e2e  the draft-guided sparse methods end to end (both models prepped; the maps of the
 #               sts and specattn steps): the 1.5B with the 0.5B drafting, WORKLOAD (default long),
-#               METHODS (default none,draft:4,sts@256,specattn@0.95), BATCH (default 32); sts and
-#               specattn CHANGE the target's output
+#               METHODS (default none,draft:4,sts@256,specattn@0.95), BATCH (default 32),
+#               ATTN_CAP (specattn's most keys per layer, default 4096: uncapped, its index lists
+#               are as long as the cache); sts and specattn CHANGE the target's output
 #   ssv_e2e     SSV end to end on the NSA-ified 1.5B (MODEL=1.5b prepped; the 0.5B drafts):
 #               autoregressive NSA against strict SSV (lossless) per query and in merged groups
 #               of 4, WORKLOAD (default short), BATCH (default 32), METHODS overrides
@@ -135,7 +136,8 @@ for step in "$@"; do
       T=/tmp/ckpt/qwen2.5-coder-1.5b
       python3 -m benchmarks.throughput --model=$T --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b \
         --sts_map=$T/sts_map_k256.qwen2_5-coder-0_5b.json \
-        --specattn_map=$T/specattn_map.qwen2_5-coder-0_5b.json --workload=${WORKLOAD:-long} \
+        --specattn_map=$T/specattn_map.qwen2_5-coder-0_5b.json --attn_cap=${ATTN_CAP:-4096} \
+        --workload=${WORKLOAD:-long} \
         --batch=${BATCH:-32} --methods=${METHODS:-none,draft:4,sts@256,specattn@0.95} \
         --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-long}_sparse${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;

@@ -42,7 +42,8 @@ the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05
 own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
 (gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer); method
 `specattn` too, and verifies over the draft's top-p attention sets (`specattn@0.95` keeps 0.95 of
-the mass, default --top_p_attn; layer map from --specattn_map, else proportional). Method `sts`
+the mass, default --top_p_attn; layer map from --specattn_map, else proportional; at most
+--attn_cap keys per layer). Method `sts`
 drafts with --draft_model and verifies each KV head over the top-k keys of its mapped draft head
 (`sts@256`: budget k = 256, default --sts_budget; --sts_block pages; head map from --sts_map, made
 for that budget, else proportional). SpecAttn and STS CHANGE the output (approximate
@@ -108,6 +109,9 @@ _TOP_P_ATTN = flags.DEFINE_float("top_p_attn", DEFAULT_TOP_P, "specattn: kept dr
                                  "(specattn@p overrides it)")
 _SPECATTN_MAP = flags.DEFINE_string("specattn_map", None, "specattn: layer map JSON from "
                                     "jaxspec.specattn_map (default: the proportional map)")
+_ATTN_CAP = flags.DEFINE_integer("attn_cap", None, "specattn: the most prefix keys a "
+                                 "verification layer reads (default: no cap, so its index lists "
+                                 "are as long as the cache: at 16K-32K tokens set one)")
 _STS_BUDGET = flags.DEFINE_integer("sts_budget", 256, "sts: keys per target KV head and round "
                                   "(sts@k overrides it)")
 _STS_BLOCK = flags.DEFINE_integer("sts_block", 1, "sts: tokens per page (1: token granularity)")
@@ -242,7 +246,7 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
     if _SPECATTN_MAP.value:
       from jaxspec.specattn_map import load_map
       layers = load_map(_SPECATTN_MAP.value, model, draft_model).layers
-    settings = dict(top_p_attn=ratio, layer_map=layers)
+    settings = dict(top_p_attn=ratio, layer_map=layers, attn_cap=_ATTN_CAP.value)
   elif method == "sts":
     budget = int(ratio)
     head_map = None
@@ -444,7 +448,8 @@ def main(argv):
                 min_tokens=_MIN_TOKENS.value, backend=backend, tp=_TP.value,
                 sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=_SEED.value),
-                disaggregate=_DISAGGREGATE.value, argv=" ".join(sys.argv))
+                disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
+                argv=" ".join(sys.argv))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
     draft_model = load(_DRAFT_MODEL.value, _TP.value)[0] if _DRAFT_MODEL.value else None

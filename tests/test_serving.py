@@ -174,9 +174,12 @@ def test_throughput_scale_run_of_specattn_and_sts():
                               num_layers=n, num_heads=4, num_kv_heads=2, head_dim=16)
   target = init_random(cfg(4), dtype=jnp.bfloat16)
   draft = init_random(cfg(2), dtype=jnp.bfloat16, seed=1)
-  with flagsaver.flagsaver(gammas=["default=2"], profile=False):
+  with flagsaver.flagsaver(gammas=["default=2"], profile=False, attn_cap=24):
     rows = throughput.scale_run(target, draft, ["specattn@0.9", "sts@16"], 2, 100,
                                 SamplingParams(), "reference")
+    runner = throughput.make_runner(target, draft, "specattn@0.9", SamplingParams(), (),
+                                    "reference")
+  assert runner.specattn.cap == 24 and runner.specattn.k_max(100) == 24
   assert all("error" not in row for row in rows), rows
   assert rows[0]["sparsity"] == 0.9 and rows[0]["ms_per_round"] > 0
   assert rows[1]["sparsity"] == 16 and rows[1]["ms_per_round"] > 0
