@@ -43,8 +43,8 @@
 #               of 4, WORKLOAD (default short), BATCH (default 32), METHODS overrides
 #   ssv         SSV's kernels on synthetic selections and block overlap on the NSA-ified 1.5B
 #               (benchmarks.ssv; MODEL=1.5b prepped); EVALS, CONTEXTS (default 8K,16K),
-#               PASSAGES (default 4) and KERNEL_BATCH (sequences in the kernel rows, default 1)
-#               override
+#               PASSAGES (default 4), KERNEL_BATCH (sequences in the kernel rows, default 1),
+#               KERNEL_SPLITS (programs a branch, default auto) and KERNEL_OVERLAPS override
 # EOS is honoured (requests stop at the model's end-of-sequence tokens) and sampling is the
 # paper's (temperature 0.6, top-p 0.95, top-k 20). IGNORE_EOS=1 passes --ignore_eos to sweep,
 # long, short and cont (stress mode: every request runs to its token budget); those results say
@@ -153,6 +153,7 @@ for step in "$@"; do
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.75   # torch's copy (the ceiling) needs room beside JAX
       python3 -m benchmarks.ssv --model=nsa:/tmp/ckpt/qwen2.5-coder-1.5b --evals=${EVALS:-kernel,overlap} \
         --contexts=${CONTEXTS:-8K,16K} --passages=${PASSAGES:-4} --kernel_batch=${KERNEL_BATCH:-1} \
+        --kernel_splits=${KERNEL_SPLITS:-auto} --kernel_overlaps=${KERNEL_OVERLAPS:-3,7,11,15} \
         --out=$OUT/ssv${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -24 ;;
     peer)
       for entry in 1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32:qwen05 \

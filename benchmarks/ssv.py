@@ -24,9 +24,12 @@ Evaluations (--evals):
             rows T verified at --kernel_context, each row's n = 16 blocks sharing --kernel_overlaps
             of them with the row before (3: only the initial and 2 local blocks, which NSA always
             selects; 15: all but one), at --kernel_shape (Hq/Hkv/D), for --kernel_batch
-            sequences with their own selections (1: the latency case). The fused selected + window
+            sequences with their own selections (1: the latency case). The selected + window
             kernel (`nsa_select_window`) per query (groups of 1), under the exact merged schedule
-            and under the shared index for each --groups G <= T; the routing launch with and
+            and under the shared index for each --groups G <= T, at each --kernel_splits (the
+            programs a branch of each group: `auto` is the kernel's default, the number it chose
+            in the JSON; a row per setting, speedups against per-query execution at the same
+            setting); the routing launch with and
             without the block importance (what a reuse layer skips) and the top-n. Each time
             against its floor, the bytes it must read over the device's copy rate measured in
             the same run (`benchmarks.common.copy_ceiling`): achieved GB/s and time / floor; and
@@ -99,6 +102,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer("kernel_batch", 1, "kernel: sequences verified together, each with its "
                        "own selections (1 is the latency case: one program per KV head and row "
                        "group; a serving batch fills the GPU)", **f)
+  flags.DEFINE_list("kernel_splits", ["auto"], "kernel: programs a branch of each row group "
+                    "and KV head (`nsa_select_window`'s splits), auto or a positive integer", **f)
   flags.DEFINE_integer("copy_bytes", 4 << 30, "kernel: bytes of the copy that measures the "
                        "device's copy rate", **f)
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and cache", **f)
@@ -106,7 +111,7 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
 
 
 FLAG_NAMES = ("evals", "contexts", "passages", "rows", "groups", "kernel_rows", "kernel_overlaps",
-              "kernel_context", "kernel_shape", "kernel_batch", "copy_bytes")
+              "kernel_context", "kernel_shape", "kernel_batch", "kernel_splits", "copy_bytes")
 
 
 def parse_flags(v: dict) -> dict:
@@ -145,15 +150,20 @@ def parse_flags(v: dict) -> dict:
     raise ValueError(f"--copy_bytes must be at least 1 MiB, got {v['copy_bytes']}")
   if v["kernel_batch"] < 1:
     raise ValueError(f"--kernel_batch must be >= 1, got {v['kernel_batch']}")
+  splits = [None if str(x).strip() == "auto" else _int_entry(x, "--kernel_splits", 1, 1024)
+            for x in v["kernel_splits"]]
+  if not splits:
+    raise ValueError("--kernel_splits needs at least one entry (auto or an integer)")
   return dict(evals=evals, contexts=contexts, passages=v["passages"], rows=v["rows"],
               groups=groups, kernel_rows=kernel_rows, kernel_overlaps=overlaps,
               kernel_context=kernel_context, kernel_shape=tuple(int(x) for x in shape),
-              kernel_batch=v["kernel_batch"], copy_bytes=v["copy_bytes"])
+              kernel_batch=v["kernel_batch"], kernel_splits=splits, copy_bytes=v["copy_bytes"])
 
 
 def _int_entry(text, name: str, low: int, high: int) -> int:
   if not str(text).strip().isdigit() or not low <= int(text) <= high:
-    raise ValueError(f"{name} entries are integers in [{low}, {high}], got {text!r}")
+    extra = " or auto" if name == "--kernel_splits" else ""
+    raise ValueError(f"{name} entries are integers in [{low}, {high}]{extra}, got {text!r}")
   return int(text)
 
 
@@ -343,7 +353,8 @@ def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
   lengths = jnp.full((batch,), context, jnp.int32)
   select = jax.jit(nsa.select_blocks, static_argnums=2)
   rows = []
-  bar = tqdm(total=len(v["kernel_rows"]) * len(v["kernel_overlaps"]), desc="kernels",
+  bar = tqdm(total=len(v["kernel_rows"]) * len(v["kernel_overlaps"]) * len(v["kernel_splits"]),
+             desc="kernels",
              unit="setting", file=sys.stderr)
 
   def timed(fn, arg_sets, nbytes=None):
@@ -382,33 +393,45 @@ def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
           return sum(read_bytes(np.asarray(x), group, shared, (hq, hkv, d), cfg, itemsize)
                      for x in ind)
 
-        def fused(group, shared, ind=indices):
+        def fused(group, shared, splits, ind=indices):
           return (functools.partial(kernels.nsa_select_window, cfg=cfg, group=group,
-                                    shared=shared, interpret=interpret),
+                                    shared=shared, splits=splits, interpret=interpret),
                   [(q, k, vv, lengths, pos, ind, gates, cmp) for k, vv, _, _ in caches])
-        per_query = timed(*fused(1, False), nbytes(idx, 1, False))
-        row = dict(rows=t, overlap=overlap, per_query=per_query, routing=routing,
-                   routing_without_importance=reuse, top_n=top_n)
-        for g in [g for g in v["groups"] if g <= t]:
-          merged = timed(*fused(g, False), nbytes(idx, g, False))
-          shared_idx = nsa.shared_indices(indices, g)
-          shared = timed(*fused(g, True, shared_idx), nbytes(shared_idx, g, True))
-          merged["speedup"] = round(per_query["us"] / merged["us"], 2)
-          shared["speedup"] = round(per_query["us"] / shared["us"], 2)
-          row[f"merged_{g}"], row[f"shared_{g}"] = merged, shared
-        rows.append(row)
-        bar.update(1)
+
+        def chosen(group, splits):
+          return splits or kernels.default_select_splits(batch, hkv, -(-t // group),
+                                                         cfg.num_selected)
+        for splits in v["kernel_splits"]:
+          per_query = dict(timed(*fused(1, False, splits), nbytes(idx, 1, False)),
+                           splits=chosen(1, splits))
+          row = dict(rows=t, overlap=overlap, splits=splits or "auto", per_query=per_query,
+                     routing=routing, routing_without_importance=reuse, top_n=top_n)
+          for g in [g for g in v["groups"] if g <= t]:
+            merged = dict(timed(*fused(g, False, splits), nbytes(idx, g, False)),
+                          splits=chosen(g, splits))
+            shared_idx = nsa.shared_indices(indices, g)
+            shared = dict(timed(*fused(g, True, splits, shared_idx), nbytes(shared_idx, g, True)),
+                          splits=chosen(g, splits))
+            merged["speedup"] = round(per_query["us"] / merged["us"], 2)
+            shared["speedup"] = round(per_query["us"] / shared["us"], 2)
+            row[f"merged_{g}"], row[f"shared_{g}"] = merged, shared
+          rows.append(row)
+          bar.update(1)
   return dict(shape=dict(heads=hq, kv_heads=hkv, head_dim=d), context=context, batch=batch,
-              nsa=dataclasses.asdict(cfg), copy_gb_s=rates, interpret=interpret, rows=rows)
+              splits=[x or "auto" for x in v["kernel_splits"]], nsa=dataclasses.asdict(cfg),
+              copy_gb_s=rates, interpret=interpret, rows=rows)
 
 
 def plot_kernel(result: dict, out: str, title: str) -> str:
-  """Speedup over per-query execution against overlap, one line per (schedule, G, T)."""
+  """Speedup over per-query execution against overlap, one line per (schedule, G, T), at the
+  first --kernel_splits setting."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(8, 4.5))
-  rows = result["rows"]
+  first = result["splits"][0]
+  rows = [r for r in result["rows"] if r["splits"] == first]
+  title += f", splits {first}"
   for t in sorted({r["rows"] for r in rows}):
     mine = [r for r in rows if r["rows"] == t]
     for key in [k for k in mine[0] if k.startswith(("merged_", "shared_"))]:
@@ -471,7 +494,8 @@ def evaluate(model: Transformer | None, tokenizer, name: str | None, v: dict, ou
     print(f"{r['context']:>6} tokens: " + "  ".join(f"{k} {x:.3f}" for k, x in r["mean"].items()))
   for r in result.get("kernel", {}).get("rows", []):
     best = {k: x["speedup"] for k, x in r.items() if isinstance(x, dict) and "speedup" in x}
-    print(f"T={r['rows']:>3} overlap {r['overlap']:>2}/{KERNEL_NSA.num_selected}: per-query "
+    print(f"T={r['rows']:>3} overlap {r['overlap']:>2}/{KERNEL_NSA.num_selected} splits "
+          f"{r['splits']}: per-query "
           f"{r['per_query']['us']:.1f} us ({r['per_query'].get('time_over_floor')}x floor); "
           + ", ".join(f"{k} {x:.2f}x" for k, x in best.items()))
   print(f"wrote {out}")

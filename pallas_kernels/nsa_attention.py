@@ -30,24 +30,34 @@ Two launches per layer, as SSV's refresh layers run (Section 5.1 of ../shared/pa
                      positions over long rows, with no forced initial and local blocks and no
                      causal bound); selecting with the reference's code keeps the kernels' choice
                      the reference's for the same importance.
-  `nsa_select_window` the downstream fused kernel: grid (Hkv, groups) per sequence; a program
-                     holds `group` adjacent rows x G heads ([M, D], M = `pow2_rows(group * G)`)
-                     and keeps two online-softmax states, one for the selected branch and one for
-                     the window, then applies the three gates in registers to the selected and
-                     window outputs and the compressed branch's output, writing one [M, D] tile.
+  `nsa_select_window` the downstream kernel: grid (Hkv, groups, 2 x splits) per sequence; a
+                     program holds `group` adjacent rows x G heads ([M, D], M =
+                     `pow2_rows(group * G)`) and folds one branch, selected or window, over one
+                     share of that branch's key tiles, keeping one online-softmax state and
+                     writing it unnormalised, as flash-decoding's splits do. XLA merges the
+                     shares of each branch (`merge_shares`) and applies the three gates to the
+                     selected and window outputs and the compressed branch's output. One state a
+                     program, not one per branch: at G = 16 heads a merged group of 8 rows is a
+                     [128, D] tile, and at D = 128 two f32 accumulators of that size are 128 KB,
+                     all of a 4-warp program's registers (255 a thread); the splits also give a
+                     short chain at batch 1 enough programs for the GPU (Hkv x T / group alone
+                     is 16 programs at Hkv = 4, T = 32, group 8, on 132 SMs).
                        selected: the exact merged schedule loops over the group's union of
                        selected blocks (ascending, each once; sorted and deduplicated in XLA,
                        because Pallas's Triton lowering has no sort), loads each block's l' keys
                        once for all rows, and masks a row's logits to -inf on a block outside its
-                       own list (`idx == block` over its n entries). A fully masked block leaves a
+                       own list (`idx == block` over its n entries). Share s takes the blocks b
+                       with b % splits == s (`split_schedule`). A fully masked block leaves a
                        row's state unchanged bit for bit (alpha = exp2(0) = 1, p = 0), so a row's
                        result is the same whatever the group: run alone it folds the same blocks
-                       in the same order. `shared=True` is the shared-index schedule: the rows of
-                       a group carry one list (`nsa.shared_indices`, the group's last row), which
-                       is the schedule itself: no union, no ownership test.
-                       window: the keys within `window` of each row, in tiles of `block_k` aligned
-                       to multiples of block_k in the cache, so that a row meets the same tiles in
-                       any group (the extra tiles of a group are fully masked for it).
+                       into the same shares in the same order. `shared=True` is the shared-index
+                       schedule: the rows of a group carry one list (`nsa.shared_indices`, the
+                       group's last row), which is the schedule itself: no union, no ownership
+                       test.
+                       window: the keys within `window` of each row, in tiles of the selection
+                       block's key tile aligned to its multiples in the cache, tile i in share
+                       i % splits, so that a row meets the same tiles in the same shares in any
+                       group (the extra tiles of a group are fully masked for it).
                      Chain rows mask keys by position (key j <= the row's position). A tree's rows
                      see the cached keys by position and the new keys by their ancestor bits
                      (`online_softmax.window_visible`), in one last tile of the T new keys whose
@@ -55,17 +65,18 @@ Two launches per layer, as SSV's refresh layers run (Section 5.1 of ../shared/pa
 Reuse layers (`NSAInputs.indices` given) skip the importance pass; the fully fused single-launch
 kernel of SSV's reuse layers (compressed branch inside the fused kernel) is not built.
 
-Exactness: in float32 `nsa_select_window` with any group equals itself with group 1 bit for bit
-in interpret mode (tests/test_nsa_kernels.py), as the reference's merged schedule does, and to
-float32 rounding when compiled for a GPU (a larger query tile sums in another order); the kernels
-match the reference to float32 rounding, not bit for bit (base-2 exponentials, other sum orders).
-On a GPU float32 products are TF32 unless the matmul precision is 'highest'.
+Exactness: in float32 `nsa_select_window` with any group equals itself with group 1 and the same
+`splits` bit for bit in interpret mode (tests/test_nsa_kernels.py), as the reference's merged
+schedule does, and to float32 rounding when compiled for a GPU (a larger query tile sums in
+another order); the kernels match the reference to float32 rounding, not bit for bit (base-2
+exponentials, other sum orders). The default `splits` depends on the number of groups, so
+compare groups at a given `splits`. On a GPU float32 products are TF32 unless the matmul
+precision is 'highest'.
 
 Backend: Pallas's Triton lowering, as `sparse_attention` (its docstring says why). Sizes the
 Triton lowering needs are padded: the query tile to `pow2_rows`, the selection block's key tile
 to a power of two >= 16 (keys past l' masked), the tree's new keys to `pow2_rows(T)`. Compiled
-and run on an H100 (benchmarks/RESULTS.md, "STS, SpecAttn and SSV on the GPU"); no kernel time
-free of per-call dispatch has been measured yet.
+and timed on an H100 (benchmarks/RESULTS.md, sections on SSV's kernels).
 """
 from __future__ import annotations
 
@@ -336,28 +347,33 @@ def nsa_compressed(q: jax.Array, ck: jax.Array, cv: jax.Array, lengths: jax.Arra
 # ----------------------------------------------------------------------------------------------
 # The selected and window branches, fused with the gates
 
-def _fused_kernel(len_ref, cnt_ref, union_ref, idx_ref, pos_ref, gate_ref, cmp_ref, q_ref, k_ref,
-                  v_ref, *refs, sm_scale: float, cfg: NSAConfig, t: int, block_k: int,
-                  block_sel: int, tree: bool, shared: bool):
+def _fused_kernel(len_ref, cnt_ref, sched_ref, idx_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
+                  sm_scale: float, cfg: NSAConfig, t: int, splits: int, tree: bool,
+                  shared: bool):
+  # grid (Hkv, NG, 2 * splits): program j folds one branch, the selected one (j < splits) or the
+  # window, and of that branch's key tiles the share j % splits (`nsa_select_window` says which).
   # len_ref   []       int32  cache entries before the new rows
-  # cnt_ref   []       int32  blocks in this group's schedule
-  # union_ref [U]      int32  the schedule: the group's selected blocks, ascending, each once
+  # cnt_ref   []       int32  blocks in this share of the group's selected schedule
+  # sched_ref [U]      int32  this share of the schedule: selected blocks, ascending, each once
   # idx_ref   [n, M]   int32  each packed row's own selected blocks (-1 unused)
   # pos_ref   [M]      int32  each packed row's position
-  # gate_ref  [3, M]   f32    each packed row's gates (compressed, selected, window)
-  # cmp_ref   [M, D]   f32    the compressed branch's output
   # q_ref     [M, D]          this group's rows of this KV head
   # k_ref     [S, D]          this KV head's keys (v_ref: values)
   # with a tree: bits_ref [M] int32 each packed row's ancestor bits; kpos_ref [TN] int32 the new
   #   keys' positions
-  # o_ref     [M, D]   f32    the gated sum of the three branches
+  # o_ref     [M, D]   f32    the branch's unnormalised partial (m_ref, l_ref [M]: its max and
+  #                           denominator), merged over the shares by `combine_splits` in XLA
   if tree:
-    bits_ref, kpos_ref, o_ref = refs
+    bits_ref, kpos_ref, o_ref, m_ref, l_ref = refs
   else:
-    (o_ref,) = refs
+    o_ref, m_ref, l_ref = refs
   s_total = k_ref.shape[0]
   m_rows, d = q_ref.shape
   ls, w, n = cfg.select_block, cfg.window, idx_ref.shape[0]
+  tile = _pow2(ls)            # keys a tile, in both branches
+  job = pl.program_id(2)
+  selected = job < splits
+  split = job % splits
   length = len_ref[()]
   pos = pos_ref[...]
   q = q_ref[...]
@@ -366,49 +382,54 @@ def _fused_kernel(len_ref, cnt_ref, union_ref, idx_ref, pos_ref, gate_ref, cmp_r
   # own position, a tree's the prefix (its new keys come in the last tile, by their bits).
   last = length - 1 if tree else jnp.max(pos)
 
-  def fold(state, k0, size, live, visible):
-    cols = k0 + jnp.arange(size)
+  def fold(state, k0, live, visible):
+    cols = k0 + jnp.arange(tile)
     live = live & (cols <= last) & (cols < s_total)
-    k = plgpu.load(k_ref.at[pl.ds(k0, size), :], mask=live[:, None], other=0.)
-    v = plgpu.load(v_ref.at[pl.ds(k0, size), :], mask=live[:, None], other=0.)
+    k = plgpu.load(k_ref.at[pl.ds(k0, tile), :], mask=live[:, None], other=0.)
+    v = plgpu.load(v_ref.at[pl.ds(k0, tile), :], mask=live[:, None], other=0.)
     s = online_softmax.dot_t(q, k) * qk_scale
     return online_softmax.update(state, jnp.where(live[None, :] & visible, s, NEG_INF), v)
 
   def by_position(cols):
     return cols[None, :] <= pos[:, None]      # the tree's cached keys: all < length <= pos
 
-  # Selected branch: the schedule's blocks in ascending order, each loaded once for all rows.
+  # Selected branch: this share of the schedule in ascending order, each block loaded once for
+  # all rows. One state a program: the two branches' loops run one after the other on it, and
+  # the other branch's loop runs no step.
   def sel_step(u, state):
-    blk = union_ref[u]
+    blk = sched_ref[u]
     k0 = blk * ls
-    cols = k0 + jnp.arange(block_sel)
-    visible = by_position(cols)
+    visible = by_position(k0 + jnp.arange(tile))
     if not shared:
       own = idx_ref[0, :] == blk
       for j in range(1, n):
         own = own | (idx_ref[j, :] == blk)
       visible = visible & own[:, None]
-    return fold(state, k0, block_sel, jnp.arange(block_sel) < ls, visible)
+    return fold(state, k0, jnp.arange(tile) < ls, visible)
 
-  sel = jax.lax.fori_loop(0, cnt_ref[()], sel_step, online_softmax.init(m_rows, d))
+  state = jax.lax.fori_loop(0, jnp.where(selected, cnt_ref[()], 0), sel_step,
+                            online_softmax.init(m_rows, d))
 
-  # Window branch: tiles aligned to multiples of block_k from the group's earliest window key.
-  lo = jnp.maximum(jnp.min(pos) - w + 1, 0) // block_k * block_k
+  # Window branch: the tiles (multiples of `tile` in the cache) from the group's earliest window
+  # key to `last`, tile i in share i % splits.
+  first = jnp.maximum(jnp.min(pos) - w + 1, 0) // tile
+  start = first + (split - first % splits + splits) % splits
+  n_win = jnp.where(selected, 0, jnp.maximum(last // tile - start + splits, 0) // splits)
 
   def win_step(i, state):
-    k0 = lo + i * block_k
-    cols = k0 + jnp.arange(block_k)
+    k0 = (start + i * splits) * tile
+    cols = k0 + jnp.arange(tile)
     visible = by_position(cols) & (cols[None, :] > pos[:, None] - w)
-    return fold(state, k0, block_k, cols >= 0, visible)
+    return fold(state, k0, cols >= 0, visible)
 
-  win = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(last + 1 - lo, 0), block_k), win_step,
-                          online_softmax.init(m_rows, d))
+  state = jax.lax.fori_loop(0, n_win, win_step, state)
 
   if tree:
-    # The T new keys, one tile: seen by the rows whose bits name them, placed by their positions.
+    # The T new keys, one tile, in each branch's last share: seen by the rows whose bits name
+    # them, placed by their positions.
     tn = kpos_ref.shape[0]
     cols = length + jnp.arange(tn)
-    live = (jnp.arange(tn) < t) & (cols < s_total)
+    live = (jnp.arange(tn) < t) & (cols < s_total) & (split == splits - 1)
     k = plgpu.load(k_ref.at[pl.ds(length, tn), :], mask=live[:, None], other=0.)
     v = plgpu.load(v_ref.at[pl.ds(length, tn), :], mask=live[:, None], other=0.)
     s = online_softmax.dot_t(q, k) * qk_scale
@@ -419,48 +440,46 @@ def _fused_kernel(len_ref, cnt_ref, union_ref, idx_ref, pos_ref, gate_ref, cmp_r
     in_sel = idx_ref[0, :][:, None] == kblk
     for j in range(1, n):
       in_sel = in_sel | (idx_ref[j, :][:, None] == kblk)
-    sel = online_softmax.update(sel, jnp.where(seen & in_sel, s, NEG_INF), v)
-    win = online_softmax.update(win, jnp.where(seen & (kpos[None, :] > pos[:, None] - w), s,
-                                               NEG_INF), v)
+    mask = jnp.where(selected, seen & in_sel, seen & (kpos[None, :] > pos[:, None] - w))
+    state = online_softmax.update(state, jnp.where(mask, s, NEG_INF), v)
 
-  def normalised(state):
-    acc, _, l_i = state
-    return acc * (1.0 / jnp.where(l_i > 0, l_i, 1.0))[:, None]
-
-  o_ref[...] = (gate_ref[0, :][:, None] * cmp_ref[...] + gate_ref[1, :][:, None] * normalised(sel)
-                + gate_ref[2, :][:, None] * normalised(win))
+  o_ref[...], m_ref[...], l_ref[...] = state
 
 
-def _fused_unbatched(length, counts, union, idx, pos, gates, cmp, q, k, v, tree=None, *,
-                     sm_scale, cfg, t, block_k, shared, num_warps, num_stages, interpret):
-  """length [], counts [Hkv, NG], union [Hkv, NG, U], idx [Hkv, NG, n, M], pos [NG, M], gates
-  [Hkv, NG, 3, M], cmp and q [Hkv, NG, M, D], k/v [S, Hkv, D], tree None or (bits [NG, M],
-  kpos [TN]) -> out [Hkv, NG, M, D] f32."""
+def _fused_unbatched(length, counts, sched, idx, pos, q, k, v, tree=None, *, sm_scale, cfg, t,
+                     splits, shared, num_warps, num_stages, interpret):
+  """length [], counts [Hkv, NG, splits], sched [Hkv, NG, splits, U], idx [Hkv, NG, n, M],
+  pos [NG, M], q [Hkv, NG, M, D], k/v [S, Hkv, D], tree None or (bits [NG, M], kpos [TN]) ->
+  the partials (o [Hkv, NG, 2 * splits, M, D], m and l [Hkv, NG, 2 * splits, M]) f32."""
   hkv, ng, m_rows, d = q.shape
   s = k.shape[0]
-  u, n = union.shape[-1], idx.shape[2]
-  block_sel = _pow2(cfg.select_block)
-  kernel = functools.partial(_fused_kernel, sm_scale=sm_scale, cfg=cfg, t=t, block_k=block_k,
-                             block_sel=block_sel, tree=tree is not None, shared=shared)
-  tile = lambda *shape: pl.BlockSpec((None, None) + shape, lambda h, i: (h, i) + (0,) * len(shape))
-  in_specs = [pl.BlockSpec((), lambda h, i: ()),
-              pl.BlockSpec((None, None), lambda h, i: (h, i)),
-              tile(u), tile(n, m_rows),
-              pl.BlockSpec((None, m_rows), lambda h, i: (i, 0)),
-              tile(3, m_rows), tile(m_rows, d), tile(m_rows, d),
-              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
-              pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0))]
-  args = [length, counts, union, idx, pos, gates, cmp, q, k, v]
+  u, n = sched.shape[-1], idx.shape[2]
+  kernel = functools.partial(_fused_kernel, sm_scale=sm_scale, cfg=cfg, t=t, splits=splits,
+                             tree=tree is not None, shared=shared)
+  tile = lambda *shape: pl.BlockSpec((None, None) + shape,
+                                     lambda h, i, j: (h, i) + (0,) * len(shape))
+  share = lambda *shape: pl.BlockSpec((None, None, None) + shape,
+                                      lambda h, i, j: (h, i, j % splits) + (0,) * len(shape))
+  job = lambda *shape: pl.BlockSpec((None, None, None) + shape,
+                                    lambda h, i, j: (h, i, j) + (0,) * len(shape))
+  in_specs = [pl.BlockSpec((), lambda h, i, j: ()), share(), share(u), tile(n, m_rows),
+              pl.BlockSpec((None, m_rows), lambda h, i, j: (i, 0)), tile(m_rows, d),
+              pl.BlockSpec((s, None, d), lambda h, i, j: (0, h, 0)),
+              pl.BlockSpec((s, None, d), lambda h, i, j: (0, h, 0))]
+  args = [length, counts, sched, idx, pos, q, k, v]
   if tree is not None:
-    in_specs += [pl.BlockSpec((None, m_rows), lambda h, i: (i, 0)),
-                 pl.BlockSpec((tree[1].shape[0],), lambda h, i: (0,))]
+    in_specs += [pl.BlockSpec((None, m_rows), lambda h, i, j: (i, 0)),
+                 pl.BlockSpec((tree[1].shape[0],), lambda h, i, j: (0,))]
     args += list(tree)
+  parts = (hkv, ng, 2 * splits, m_rows)
   return pl.pallas_call(
       kernel,
-      grid=(hkv, ng),
+      grid=(hkv, ng, 2 * splits),
       in_specs=in_specs,
-      out_specs=tile(m_rows, d),
-      out_shape=jax.ShapeDtypeStruct((hkv, ng, m_rows, d), jnp.float32),
+      out_specs=[job(m_rows, d), job(m_rows), job(m_rows)],
+      out_shape=[jax.ShapeDtypeStruct(parts + (d,), jnp.float32),
+                 jax.ShapeDtypeStruct(parts, jnp.float32),
+                 jax.ShapeDtypeStruct(parts, jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=(f"nsa_select_window_m{m_rows}_d{d}" + ("_tree" if tree is not None else "")
@@ -493,28 +512,66 @@ def shared_schedule(indices: jax.Array, group: int) -> tuple[jax.Array, jax.Arra
   return jnp.maximum(own, 0).astype(jnp.int32), (own >= 0).sum(-1).astype(jnp.int32)
 
 
+def split_schedule(union: jax.Array, counts: jax.Array, splits: int
+                   ) -> tuple[jax.Array, jax.Array]:
+  """A schedule (union [..., U] ascending, counts [...]) -> its shares (sched [..., splits, U]
+  int32, share s the blocks b with b % splits == s, ascending, 0 past its count; counts
+  [..., splits] int32). Shares by block index, not by place in the union, so a row's blocks fall
+  in the same shares, in the same order, whatever group it is in."""
+  valid = jnp.arange(union.shape[-1]) < counts[..., None]
+  mine = valid[..., None, :] & (union[..., None, :] % splits
+                                == jnp.arange(splits)[:, None])        # [..., splits, U]
+  sched = jnp.sort(jnp.where(mine, union[..., None, :], _BIG), axis=-1)
+  return jnp.where(sched == _BIG, 0, sched).astype(jnp.int32), mine.sum(-1).astype(jnp.int32)
+
+
+def default_select_splits(batch: int, hkv: int, groups: int, n: int) -> int:
+  """Shares per branch so that the grid, B x Hkv x NG x 2 branches x shares, holds about
+  `online_softmax.DEFAULT_PROGRAMS` programs; at most n (a row's selected blocks)."""
+  return online_softmax.default_splits(batch * hkv * groups * 2, n)
+
+
+def merge_shares(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+  """The shares' partials o [..., P, M, D], m and l [..., P, M] -> the normalised branch
+  [..., M, D] (0 for a row with nothing visible). `combine_splits`'s arithmetic with the sums
+  written out share by share, so that their order is fixed: a reduction's order is XLA's to
+  choose and may change with the shape, and the merged schedule's output must not change with
+  the group."""
+  p = o.shape[-3]
+  m_max = jnp.max(m, axis=-2)
+  w = [jnp.exp2(m[..., i, :] - m_max) for i in range(p)]
+  l_sum, acc = w[0] * l[..., 0, :], w[0][..., None] * o[..., 0, :, :]
+  for i in range(1, p):
+    l_sum = l_sum + w[i] * l[..., i, :]
+    acc = acc + w[i][..., None] * o[..., i, :, :]
+  return acc / jnp.maximum(l_sum, 1e-30)[..., None]
+
+
 @functools.partial(jax.jit, static_argnames=(
-    "cfg", "group", "shared", "interpret", "block_k", "num_warps", "num_stages"))
+    "cfg", "group", "shared", "splits", "interpret", "num_warps", "num_stages"))
 def nsa_select_window(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                       pos: jax.Array, indices: jax.Array, gates: jax.Array, cmp: jax.Array, *,
                       cfg: NSAConfig, tree_bits: jax.Array | None = None, group: int = 1,
-                      shared: bool = False, interpret: bool = False, block_k: int = 64,
-                      num_warps: int = 4, num_stages: int = 2) -> jax.Array:
-  """The selected and window branches and the gated sum, fused: q [B, T, Hq, D], the raw cache
-  k/v [B, S, Hkv, D], lengths [B], the rows' positions pos [B, T] (`nsa.layout`), the selected
-  blocks indices [B, T, Hkv, n] int32 (-1 unused), gates [B, T, Hq, 3], the compressed branch's
-  output cmp [B, T, Hq, D]. Returns out [B, T, Hq, D] in q.dtype: what `nsa.nsa_attention` mixes,
+                      shared: bool = False, splits: int | None = None, interpret: bool = False,
+                      num_warps: int | None = None, num_stages: int = 3) -> jax.Array:
+  """The selected and window branches and the gated sum: q [B, T, Hq, D], the raw cache k/v
+  [B, S, Hkv, D], lengths [B], the rows' positions pos [B, T] (`nsa.layout`), the selected blocks
+  indices [B, T, Hkv, n] int32 (-1 unused), gates [B, T, Hq, 3], the compressed branch's output
+  cmp [B, T, Hq, D]. Returns out [B, T, Hq, D] in q.dtype: what `nsa.nsa_attention` mixes,
   gates[..., 0] * cmp + gates[..., 1] * selected + gates[..., 2] * window.
 
   group: rows per program. shared=False runs the exact merged schedule over each group (the
   output does not depend on group); shared=True the shared-index schedule: the rows of a group
-  must carry one list (`nsa.shared_indices(indices, group)`). Knobs: `block_k` window keys per
-  tile (a power of two >= 16), Triton's `num_warps` and `num_stages`."""
+  must carry one list (`nsa.shared_indices(indices, group)`). splits: programs per (group, KV
+  head, branch), each folding a share of the branch's key tiles (flash-decoding's split, by block
+  index: `split_schedule`), merged in XLA; None for `default_select_splits`. Triton's
+  `num_warps` (None: 4 for query tiles up to 64 rows, 8 above) and `num_stages` (the defaults
+  were the fastest on an H100 at 32K, T = 32, B = 1 and 16: benchmarks/RESULTS.md)."""
   _check(q, k, v, lengths)
   if group < 1:
     raise ValueError(f"NSA group must be a positive number of rows, got {group}")
-  if block_k < 16 or block_k & (block_k - 1):
-    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+  if splits is not None and splits < 1:
+    raise ValueError(f"splits must be a positive number of programs, got {splits}")
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   g = hq // hkv
@@ -526,23 +583,30 @@ def nsa_select_window(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
   indices = indices.astype(jnp.int32)
   union, counts = (shared_schedule if shared else merged_schedule)(indices, group)
   src_t, src_g, m_rows = _row_table(t, g, group)
+  ng = src_t.shape[0]
+  splits = splits or default_select_splits(b, hkv, ng, n)
+  sched, counts = split_schedule(union, counts, splits)
   moved = lambda x: jnp.moveaxis(x, 2, 1)                          # [B, NG, Hkv, ...] -> Hkv first
   idxp = jnp.moveaxis(jnp.moveaxis(indices, 2, 1)[:, :, src_t], 4, 3)   # [B, Hkv, NG, n, M]
-  gatesp = jnp.moveaxis(_pack_heads(gates.astype(jnp.float32), hkv, src_t, src_g), 4, 3)
   tree = None
   if tree_bits is not None:
     bits = online_softmax.batch_bits(tree_bits, b, t)
     tn = pow2_rows(t)
     kpos = jnp.pad(pos.astype(jnp.int32), ((0, 0), (0, tn - t)))
     tree = (bits[:, src_t], kpos)
-  out = jax.vmap(functools.partial(
-      _fused_unbatched, sm_scale=d ** -0.5, cfg=cfg, t=t, block_k=block_k, shared=shared,
-      num_warps=num_warps, num_stages=num_stages, interpret=interpret))(
-          lengths.astype(jnp.int32), moved(counts), moved(union), idxp,
-          pos.astype(jnp.int32)[:, src_t], gatesp,
-          _pack_heads(cmp.astype(jnp.float32), hkv, src_t, src_g),
-          _pack_heads(q, hkv, src_t, src_g), k, v, tree)
-  return _unpack(out, t, g, group).astype(q.dtype)
+  o, m, l = jax.vmap(functools.partial(
+      _fused_unbatched, sm_scale=d ** -0.5, cfg=cfg, t=t, splits=splits, shared=shared,
+      num_warps=num_warps or (4 if m_rows <= 64 else 8), num_stages=num_stages,
+      interpret=interpret))(
+          lengths.astype(jnp.int32), moved(counts), moved(sched), idxp,
+          pos.astype(jnp.int32)[:, src_t], _pack_heads(q, hkv, src_t, src_g), k, v, tree)
+  parts = (b, hkv, ng, 2, splits, m_rows)
+  branches = merge_shares(o.reshape(parts + (d,)), m.reshape(parts), l.reshape(parts))
+  sel, win = (_unpack(branches[:, :, :, i], t, g, group) for i in range(2))
+  gates = gates.astype(jnp.float32)
+  out = (gates[..., 0:1] * cmp.astype(jnp.float32) + gates[..., 1:2] * sel
+         + gates[..., 2:3] * win)
+  return out.astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,12 +633,13 @@ def _select(importance, pos, *, cfg, group, shared):
 
 def nsa_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
                   inputs: _nsa.NSAInputs, *, tree_bits: jax.Array | None = None, group: int = 1,
-                  shared: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                  shared: bool = False, splits: int | None = None, interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array]:
   """`nsa.nsa_attention` with the kernels: the same arguments and results (out [B, T, Hq, D] in
   q.dtype, the selected blocks [B, T, Hkv, n] int32 each row used). The compressed branch and
   importance (`nsa_compressed`; no importance for a reuse layer, inputs.indices given), the top-n
   (`nsa.select_blocks`), then the fused selected and window branches with the gates
-  (`nsa_select_window`) under the merged or the shared-index schedule. Not jitted as a whole (a
+  (`nsa_select_window`, its `splits`) under the merged or the shared-index schedule. Not jitted as a whole (a
   model's forward pass traces it inside its own jit): called alone, its pieces are compiled apart
   and reused across schedules."""
   if group < 1:
@@ -591,5 +656,5 @@ def nsa_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths:
     indices = _select(importance, lay.pos, cfg=cfg, group=group if shared else 1, shared=shared)
   out = nsa_select_window(q, k_cache, v_cache, lengths, lay.pos, indices, inputs.gates, cmp,
                           cfg=cfg, tree_bits=tree_bits, group=group, shared=shared and not reuse,
-                          interpret=interpret)
+                          splits=splits, interpret=interpret)
   return out, indices

@@ -168,7 +168,10 @@ def test_extend_compressed_writes_only_completed_blocks():
     written = [i for i in range(c) if np.any(np.asarray(ck[b, i]) != 0)]
     want = [i for i in range(c) if s0 <= i * 2 + 3 < s0 + 5]   # last token among the 5 new
     assert written == want
-    np.testing.assert_array_equal(np.asarray(ck[b, want]), np.asarray(inputs.ck[b, want]))
+    # The same blocks as compressing the whole cache at once, to float32 rounding: XLA:CPU may
+    # order a product's sums differently for another number of tokens (seen on an AMD EPYC).
+    np.testing.assert_allclose(np.asarray(ck[b, want]), np.asarray(inputs.ck[b, want]),
+                               rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ SAME_TILE_TOL = dict(rtol=0, atol=0) if INTERPRET else dict(rtol=1e-5, atol=1e-6
 # backend optimisations would double it.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 reference = jax.jit(nsa.nsa_attention, static_argnames=("group", "shared"), compiler_options=FAST)
-kernels = jax.jit(nk.nsa_attention, static_argnames=("group", "shared", "interpret"),
+kernels = jax.jit(nk.nsa_attention, static_argnames=("group", "shared", "splits", "interpret"),
                   compiler_options=FAST)
 
 
@@ -136,6 +136,14 @@ def test_kernels_match_the_reference(name):
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_i))
     np.testing.assert_allclose(out, np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(outs[MERGED, False], outs[1, False], **SAME_TILE_TOL)
+  if bits is None:
+    # Other shares of the key tiles (the default here is n = 5 a branch): one program a branch,
+    # and 2 shares, bit for bit each row alone under the same shares.
+    for splits in (1, 2):
+      alone, merged = (np.asarray(kernels(q, kp, vp, lens, inputs, group=group, splits=splits,
+                                          interpret=INTERPRET)[0]) for group in (1, MERGED))
+      np.testing.assert_allclose(merged, np.asarray(want_out), rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(merged, alone, **SAME_TILE_TOL)
   if (SHARED, True) in outs:     # the groups' selections differed, so sharing changed some rows
     assert not np.allclose(outs[SHARED, True], outs[1, False])
 

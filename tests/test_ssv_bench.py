@@ -61,7 +61,7 @@ def test_read_bytes_count_shared_blocks_once():
 
 FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2", "4"],
              kernel_rows=["8"], kernel_overlaps=["3"], kernel_context="4K", kernel_shape="4/2/16",
-             kernel_batch=1, copy_bytes=1 << 20)
+             kernel_batch=1, kernel_splits=["auto"], copy_bytes=1 << 20)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -70,7 +70,8 @@ FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2
     (dict(groups=["32"]), "--groups"), (dict(passages=0), "--passages"),
     (dict(kernel_overlaps=["16"]), "--kernel_overlaps"), (dict(kernel_rows=["1"]), "--kernel_rows"),
     (dict(kernel_shape="6/4/16"), "--kernel_shape"), (dict(kernel_context="1K"), "at least 2304"),
-    (dict(copy_bytes=10), "--copy_bytes"), (dict(kernel_batch=0), "--kernel_batch")])
+    (dict(copy_bytes=10), "--copy_bytes"), (dict(kernel_batch=0), "--kernel_batch"),
+    (dict(kernel_splits=["0"]), "--kernel_splits"), (dict(kernel_splits=[]), "--kernel_splits")])
 def test_bad_flags_are_one_line_errors(change, message):
   with pytest.raises(ValueError, match=re.escape(message)) as e:
     bench.parse_flags(dict(FLAGS, **change))
@@ -102,16 +103,22 @@ def test_kernel_smoke_run(tmp_path):
   res = subprocess.run([sys.executable, "-m", "benchmarks.ssv", "--evals=kernel",
                         "--kernel_rows=4", "--kernel_overlaps=3,14", "--kernel_context=2304",
                         "--kernel_shape=4/2/16", "--kernel_batch=2", "--groups=2,4",
+                        "--kernel_splits=auto,2",
                         "--copy_bytes=1048576", "--dtype=float32", f"--out={out}"],
                        capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-2000:]
   data = json.loads(out.read_text())["kernel"]
   assert data["interpret"] and data["batch"] == 2
-  assert [r["overlap"] for r in data["rows"]] == [3, 14]
-  row = data["rows"][1]
+  assert [(r["overlap"], r["splits"]) for r in data["rows"]] == [(3, "auto"), (3, 2), (14, "auto"),
+                                                                 (14, 2)]
+  row = data["rows"][2]
   assert {"per_query", "merged_2", "shared_2", "merged_4", "shared_4", "routing",
           "routing_without_importance", "top_n"} <= set(row)
   assert row["merged_4"]["bytes"] < row["merged_2"]["bytes"] < row["per_query"]["bytes"]
+  # auto: about DEFAULT_PROGRAMS programs (2 sequences x 2 KV heads x groups x 2 branches), at
+  # most n = 16 shares; the explicit setting as given.
+  assert [row[k]["splits"] for k in ("per_query", "merged_2", "merged_4")] == [16, 16, 16]
+  assert data["rows"][3]["merged_4"]["splits"] == 2
   assert (tmp_path / "k_kernel.png").is_file()
 
 
