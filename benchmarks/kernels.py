@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from benchmarks.common import copy_ceiling, device_name, git_commit, time_batched, write_json
 from benchmarks.common import time_chain as common_time_chain
 from jaxspec.drafting.policies import budget
+from jaxspec.drafting.specattn import SpecAttnConfig, capped_union, kept_union, row_sets
 from jaxspec.drafting.trees import Tree
 from jaxspec import cli
 from pallas_kernels import sparse_attention as _sparse
@@ -45,13 +46,15 @@ flags.DEFINE_integer("batches", 7, "timed batches per measurement (median report
 flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
-flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree"],
+flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree", "specattn"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "scores: split count and block_k of the scored verification kernel; "
                   "topp: the sorting-free top-p select against sorting and top-k; "
                   "tree: verification and sparse attention under a draft tree's mask against "
-                  "the chain at the same T")
+                  "the chain at the same T; specattn: what SpecAttn adds to a round at the "
+                  "end-to-end serving shape (the draft step's weights scores, the round's "
+                  "top-p selection and capped union, per top-p method)")
 flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree"],
                   "kernel groups --check runs")
 flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
@@ -569,6 +572,49 @@ def topp_plan(sh):
   topp_case(96, 8192 // sh, 0.97, jnp.float32, sweep=False)
 
 
+@guarded
+def specattn_select_case(gamma, layers, b, s, p, cap):
+  """The round's selection of `jaxspec.drafting.specattn.kept_union` (gamma x layers x b draft rows
+  of s positions: top-p per row, the union over the gamma rows, capped at `cap` by summed weight),
+  and its two parts, per top-p method."""
+  rows = [attention_rows(60 + i, (gamma, layers, b, s)) for i in range(2)]
+  start = jnp.full((b,), s - gamma - 1, jnp.int32)
+  nbytes = gamma * layers * b * s * 2 + layers * b * cap * 4
+  name = f"specattn select {gamma}x{layers}x{b} rows x S{s} p {p} cap {cap}"
+  lengths = (start[None, None] + jnp.arange(gamma, dtype=jnp.int32)[:, None, None] + 1)
+  lengths = jnp.broadcast_to(lengths, (gamma, layers, b)).reshape(-1)
+  for method in ("threshold", "pallas", "sort", "bisect10"):
+    spec = SpecAttnConfig(layers=tuple(range(layers)), top_p=p, cap=cap, dense_layers=0,
+                          topp_method=method)
+    fn = jax.jit(functools.partial(kept_union, spec=spec, k_max=cap, interpret=FLAGS.interpret))
+    kept = float(jnp.mean(fn(rows[0], start)[1]))
+    record(name, f"kept_union {method}", lambda fn=fn: time_jax(fn, [(r, start) for r in rows]),
+           nbytes, kept=kept)
+    sel = jax.jit(functools.partial(topp_select, p=p, k_max=cap, method=method,
+                                    interpret=FLAGS.interpret and method == "pallas"))
+    record(name, f"topp_select {method} alone",
+           lambda sel=sel: time_jax(sel, [(r.reshape(-1, s), lengths) for r in rows]), nbytes)
+  idx, cnt = topp_select(rows[0].reshape(-1, s), lengths, p=p, k_max=cap)
+
+  @jax.jit
+  def union(idx, cnt, w, start):
+    return capped_union(row_sets(idx, cnt, s).reshape(gamma, layers, b, s), w, start, cap)
+  record(name, "row_sets + capped_union alone",
+         lambda: time_jax(union, [(idx, cnt, r, start) for r in rows]), nbytes)
+
+
+def specattn_plan(sh):
+  """SpecAttn's round costs at the end-to-end run's shapes (benchmarks/RESULTS.md: the 1.5B
+  verifying, the 0.5B drafting, B = 32, 16K-32K-token prompts, the KL map's 10 draft layers,
+  cap 4096): a draft step's attention with and without the 'weights' scores of its sampling row,
+  and the round's selection."""
+  for s in (16384, 32768):
+    dense_case("qwen2.5-0.5b", 32, s // sh, 1, ("off", "collect2-weights", "collect2"),
+               with_ref=False, with_torch=False)
+  for s in (16384, 32768):
+    specattn_select_case(4, 10, 32, s // sh, 0.95, 4096 // sh)
+
+
 def summary():
   print("\n== summary (device %s, copy %.0f GB/s)" % (device_name(), COPY_BPS / 1e9))
   print(f"{'case':44s} {'impl':30s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s}")
@@ -608,6 +654,8 @@ def main(argv):
     topp_plan(sh)
   elif FLAGS.plan == "tree":
     tree_plan(q3, sh)
+  elif FLAGS.plan == "specattn":
+    specattn_plan(sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()

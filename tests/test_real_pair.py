@@ -41,14 +41,13 @@ def test_real_pair_specattn_greedy_equals_the_masked_target(real_pair):
   """SpecAttn on the real pair (proportional layer map, p = 0.95): greedy output equals greedy
   decoding of the SpecAttn-masked 1.5B, built one token at a time (test_specattn.masked_greedy),
   and the mask drops keys."""
-  from jaxspec.drafting import specattn
-  from test_specattn import masked_greedy, specattn_plan
+  from test_specattn import ALL_LAYER_WEIGHTS, masked_greedy, specattn_plan
   target, draft, ids = real_pair
   runner = Runner(target.model, method="specattn", draft_model=draft.model, gamma=4,
                   top_p_attn=0.95, stop_ids=(), cache_dtype=jnp.float32)
   out, stats = runner.generate(ids, max_new_tokens=8)
   assert 0 < stats.extra["kv_kept_share"] < 1
-  assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 8, specattn.DRAFT_SCORES,
+  assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 8, ALL_LAYER_WEIGHTS,
                                  specattn_plan(runner.specattn))
 
 

@@ -12,7 +12,7 @@ from flax import nnx
 from jaxspec.drafting import specattn
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.state import capacity_for
-from jaxspec.model.attention import Dense, LayerMapped, Prefill
+from jaxspec.model.attention import Dense, LayerMapped, Prefill, ScoreSpec
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
@@ -116,22 +116,58 @@ def masked_greedy(target, draft, prompt, gamma, max_new, scores, plan_of):
   return out[:max_new]
 
 
-@pytest.mark.parametrize("top_p, cap", [(0.9, None), (0.8, 12)])
-def test_greedy_specattn_equals_greedy_masked_target(pair, top_p, cap):
+# The reference collects every draft layer's rows; the engine only those of the map's draft layers
+# (the second case reads draft layer 1 only).
+ALL_LAYER_WEIGHTS = ScoreSpec("weights", rows=(-1,))
+
+
+@pytest.mark.parametrize("top_p, cap, layers", [(0.9, None, LAYERS), (0.8, 12, (0, 0, 1, 1))])
+def test_greedy_specattn_equals_greedy_masked_target(pair, top_p, cap, layers):
   target, draft = pair
   runner = Runner(target, method="specattn", draft_model=draft, gamma=GAMMA, top_p_attn=top_p,
-                  layer_map=LAYERS, attn_cap=cap, cache_dtype=jnp.float32, stop_ids=())
+                  layer_map=layers, attn_cap=cap, cache_dtype=jnp.float32, stop_ids=())
   out, stats = runner.generate(PROMPTS, max_new_tokens=MAX_NEW)
   spec = runner.specattn
   assert 0 < stats.extra["kv_kept_share"] < 1   # peaked attention: top-p drops keys
   for prompt, got in zip(PROMPTS, out):
-    assert got == masked_greedy(target, draft, prompt, GAMMA, MAX_NEW, specattn.DRAFT_SCORES,
+    assert got == masked_greedy(target, draft, prompt, GAMMA, MAX_NEW, ALL_LAYER_WEIGHTS,
                                 specattn_plan(spec))
   if cap is None:   # the mask matters: dense speculative decoding (the dense target's) differs
     dense, _ = Runner(target, method="draft", draft_model=draft, gamma=GAMMA,
                       cache_dtype=jnp.float32, stop_ids=()).generate(PROMPTS,
                                                                      max_new_tokens=MAX_NEW)
     assert dense != out
+
+
+@pytest.mark.parametrize("cap", [64, 5])
+def test_kept_union_is_the_same_with_the_pallas_top_p(cap):
+  """'auto' picks the Pallas top-p on the Pallas backend: it keeps the XLA search's set."""
+  x = 3.0 * jax.random.normal(jax.random.PRNGKey(0), (3, 2, 2, 64))
+  rows = jax.nn.softmax(x, axis=-1).astype(jnp.bfloat16)
+  start = jnp.asarray([40, 61])
+  got = [specattn.kept_union(rows, start, specattn.SpecAttnConfig(layers=(0, 0, 0), top_p=0.9,
+                                                                   topp_method=m), cap,
+                             interpret=True) for m in ("threshold", "pallas")]
+  assert int(got[0][1].min()) > 0
+  for a, b in zip(*got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_score_layers_collect_only_the_named_layers(pair):
+  """A pass whose ScoreSpec names layers returns those layers' rows, as the all-layer pass does."""
+  target, _ = pair
+  model = nnx.split(target)
+  seq = list(PROMPTS[1][:20])
+  _, cache, _ = _step(*model, jnp.asarray([seq]), jnp.asarray([list(range(20))]),
+                      KVCache.create(target.cfg, 1, 32, jnp.float32), Prefill())
+  step = lambda spec: _step(*model, jnp.asarray([[seq[-1]]]), jnp.asarray([[20]]), cache,
+                            Dense(scores=spec))[2]
+  every, some = step(ALL_LAYER_WEIGHTS), step(ScoreSpec("weights", rows=(-1,), layers=(1, 3)))
+  assert every.shape[0] == 4 and some.shape == (2, *every.shape[1:])
+  np.testing.assert_array_equal(np.asarray(some), np.asarray(every[jnp.asarray([1, 3])]))
+  with pytest.raises(ValueError, match="score layers must be distinct non-negative layers, "
+                     "ascending, got \\(3, 1\\)"):
+    ScoreSpec("weights", layers=(3, 1))
 
 
 def test_kept_union_caps_by_summed_weight():
@@ -159,6 +195,12 @@ def test_bad_input_is_a_one_line_error(pair, kw, message):
   with pytest.raises(ValueError) as e:
     Runner(target, method="specattn", draft_model=draft, **kw)
   assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_map_with_no_sparse_layer_is_a_one_line_error():
+  with pytest.raises(ValueError, match="dense_layers \\(2\\) must leave a sparse layer of the "
+                     "target's 2"):
+    specattn.SpecAttnConfig(layers=(0, 1))
 
 
 def test_specattn_needs_a_draft_model_with_the_same_vocabulary(pair):

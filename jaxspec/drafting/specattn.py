@@ -13,8 +13,9 @@ One round, for a sequence whose target cache holds [0, n):
            [0, n + s].
   mask     for every target layer j >= `dense_layers` (2: the paper keeps the first two dense), the
            rows of draft layer f(j) (`jaxspec.specattn_map`): per row the smallest set of keys
-           holding p of its mass (`pallas_kernels.topp_select`, exact, sorting-free; 'threshold' by
-           default), the gamma sets united, positions >= n dropped (the dense tail holds them).
+           holding p of its mass (`pallas_kernels.topp_select`, exact, sorting-free: its Pallas
+           kernel on the Pallas backend, the XLA 'threshold' search elsewhere, the same set), the
+           gamma sets united, positions >= n dropped (the dense tail holds them).
            When the union exceeds the static cap K_max (`SpecAttnConfig.cap`, default the cache
            capacity: no cap), the K_max positions with the largest summed weight over the gamma
            rows are kept (`topk_select`, ties to the lower position). Target layers reading the
@@ -58,11 +59,9 @@ from jaxspec.model.transformer import Transformer
 from pallas_kernels import topk_select as _topk
 from pallas_kernels import topp_select as _topp
 
-TOPP_METHODS = ("threshold", "pallas", "sort", "bisect10")
+TOPP_METHODS = ("auto", "threshold", "pallas", "sort", "bisect10")
 DEFAULT_TOP_P = 0.97
 DENSE_LAYERS = 2   # the paper's: early layers' attention is diffuse (attention sinks)
-# The draft steps collect the weights of the row that sampled the draft (the last row of a step).
-DRAFT_SCORES = ScoreSpec("weights", rows=(-1,))
 
 
 def check_top_p(p) -> float:
@@ -79,13 +78,15 @@ class SpecAttnConfig:
   layers: f(j), the draft layer each target layer reads (`jaxspec.specattn_map`); top_p: the kept
   attention mass per draft row, in (0, 1]; cap: K_max, the static length of a united index list
   (None: the cache capacity, i.e. no cap); dense_layers: the first target layers kept dense;
-  topp_method: `topp_select`'s method ('threshold', exact and sorting-free, by default).
+  topp_method: `topp_select`'s method, or 'auto' (default): 'pallas' on the Pallas backend with
+  bf16 scores (2.2x the XLA 'threshold' search at the end-to-end shape, benchmarks/RESULTS.md),
+  else 'threshold'; the two return the same set.
   """
   layers: tuple[int, ...]
   top_p: float = DEFAULT_TOP_P
   cap: int | None = None
   dense_layers: int = DENSE_LAYERS
-  topp_method: str = "threshold"
+  topp_method: str = "auto"
 
   def __post_init__(self):
     object.__setattr__(self, "top_p", check_top_p(self.top_p))
@@ -95,6 +96,9 @@ class SpecAttnConfig:
       raise ValueError(f"the SpecAttn index cap must be an integer >= 1, got {self.cap!r}")
     if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
       raise ValueError(f"dense_layers must be a non-negative integer, got {self.dense_layers!r}")
+    if self.dense_layers >= len(self.layers):
+      raise ValueError(f"dense_layers ({self.dense_layers}) must leave a sparse layer of the "
+                       f"target's {len(self.layers)}")
     if self.topp_method not in TOPP_METHODS:
       raise ValueError(f"top-p method must be one of {', '.join(TOPP_METHODS)}, got "
                        f"{self.topp_method!r}")
@@ -148,6 +152,8 @@ def kept_union(rows: jax.Array, start: jax.Array, spec: SpecAttnConfig, k_max: i
   lengths = jnp.broadcast_to(start[None, None] + jnp.arange(g, dtype=jnp.int32)[:, None, None] + 1,
                              (g, u, b)).reshape(-1)
   method = spec.topp_method
+  if method == "auto":
+    method = "threshold" if interpret or rows.dtype != jnp.bfloat16 else "pallas"
   idx, cnt = _topp.topp_select(rows.reshape(-1, s), lengths, p=spec.top_p, k_max=k_max,
                                method=method, interpret=interpret and method == "pallas")
   return capped_union(row_sets(idx, cnt, s).reshape(g, u, b, s), rows, start, k_max)
@@ -175,7 +181,10 @@ class SpecAttnDrafter(DraftModelDrafter):
 
   @property
   def draft_scores(self) -> ScoreSpec:
-    return DRAFT_SCORES
+    """The weights of the row that sampled each draft (a step's last row), in the draft layers
+    the map reads only: 'weights' re-read K, which costs a draft step about half again per layer
+    (benchmarks/RESULTS.md)."""
+    return ScoreSpec("weights", rows=(-1,), layers=self.spec.draft_layers)
 
   def start(self, draft: Transformer, prompts: jax.Array, prompt_lens: jax.Array,
             state: DecodeState, scores: None, config: RunConfig) -> SpecAttnState:
@@ -194,9 +203,9 @@ class SpecAttnDrafter(DraftModelDrafter):
 
   def select(self, scores: jax.Array, start: jax.Array, config: RunConfig
              ) -> tuple[jax.Array, jax.Array]:
-    """The round's draft scores [gamma, Ld, B, S] -> the plan's (indices, counts)."""
-    rows = scores[:, jnp.asarray(self.spec.draft_layers)]                       # [gamma, U, B, S]
-    return kept_union(rows, start, self.spec, self.spec.k_max(config.capacity),
+    """The round's draft scores [gamma, U, B, S] (`draft_scores`: the U draft layers in use) ->
+    the plan's (indices, counts)."""
+    return kept_union(scores, start, self.spec, self.spec.k_max(config.capacity),
                       interpret=config.backend != "pallas")
 
   def draft(self, target: Transformer, draft: Transformer, state: SpecState, config: RunConfig

@@ -88,18 +88,34 @@ class ScoreSpec:
   into one score row per sequence ((0, -1) is Collect-2-Query, None every row); per_row: one score
   row per query instead ([B, T, S]); heads: 'mean' averages over every query head, 'kv' gives one
   row per KV head (the mean over its query group: [B, Hkv, S], per_row [B, T, Hkv, S]), 'q' one
-  per query head ([B, Hq, S], per_row [B, T, Hq, S]; the pure-JAX reference only).
+  per query head ([B, Hq, S], per_row [B, T, Hq, S]; the pure-JAX reference only); layers: the
+  layers that collect, ascending (None: every layer), so a pass returns [len(layers), B, ...]
+  (scores cost: 'weights' re-read K, a whole K pass per layer at T=1, so a consumer that reads a
+  few layers names them).
   """
   kind: str = "logits"
   rows: tuple[int, ...] | None = (0, -1)
   per_row: bool = False
   heads: str = "mean"
+  layers: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.kind not in SCORE_KINDS:
       raise ValueError(f"score kind must be one of {', '.join(SCORE_KINDS)}, got {self.kind!r}")
     if self.heads not in SCORE_HEADS:
       raise ValueError(f"score heads must be one of {', '.join(SCORE_HEADS)}, got {self.heads!r}")
+    if self.layers is not None and (
+        not self.layers or list(self.layers) != sorted(set(self.layers))
+        or min(self.layers) < 0):
+      raise ValueError(f"score layers must be distinct non-negative layers, ascending, got "
+                       f"{self.layers!r}")
+
+  def collects(self, layer: int) -> bool:
+    return self.layers is None or layer in self.layers
+
+
+def _scores_at(scores: ScoreSpec | None, layer: int) -> ScoreSpec | None:
+  return scores if scores is not None and scores.collects(layer) else None
 
 
 @struct.dataclass
@@ -108,7 +124,7 @@ class Prefill:
   scores: ScoreSpec | None = struct.field(pytree_node=False, default=None)
 
   def for_layer(self, i: int) -> "Prefill":
-    return self
+    return self.replace(scores=_scores_at(self.scores, i))
 
 
 @struct.dataclass
@@ -118,7 +134,7 @@ class Dense:
   tree_offset: int = struct.field(pytree_node=False, default=0)   # see `attend`
 
   def for_layer(self, i: int) -> "Dense":
-    return self
+    return self.replace(scores=_scores_at(self.scores, i))
 
 
 @struct.dataclass

@@ -164,7 +164,7 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kvc.KVCache, plan: Plan,
                backend: str = "reference") -> tuple[jax.Array, kvc.KVCache, jax.Array | None]:
     """tokens, positions [B, T] -> (hidden [B, T, H], cache with the new K/V written,
-    scores [L, B, ...] | None). `backend`: see `jaxspec.model.attention.BACKENDS`. An NSA model
+    scores [L, B, ...] | None, L the layers the plan's `ScoreSpec` collects). `backend`: see `jaxspec.model.attention.BACKENDS`. An NSA model
     runs `as_nsa(plan)` and returns no scores; an `NSA(collect=True)` plan, every layer's selected
     blocks [L, B, T, Hkv, n] instead."""
     if self.cfg.nsa is not None:
@@ -179,9 +179,10 @@ class Transformer(nnx.Module):
                          plan.for_layer(i), backend, self.mesh)
       ks.append(k)
       vs.append(v)
-      scores.append(s)
+      if s is not None:
+        scores.append(s)
     cache = cache.replace(k=tuple(ks), v=tuple(vs))
-    return self.norm(x), cache, (jnp.stack(scores) if scores[0] is not None else None)
+    return self.norm(x), cache, (jnp.stack(scores) if scores else None)
 
   def _nsa_forward(self, tokens, positions, cache: kvc.KVCache, plan: NSA, backend: str):
     """`__call__` of an NSA model: the layers under the plan's refresh/reuse schedule."""
