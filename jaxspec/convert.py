@@ -40,7 +40,7 @@ def convert(src: str | Path, out: str | Path, *, dtype=jnp.bfloat16, overwrite: 
   elif kind == "gguf":
     reader = gguf_weights.open_reader(src)
     cfg = gguf_weights.read_config(reader, str(src))
-    tokenizer = gguf_weights.load_tokenizer(src)   # before the slow part: it may need torch
+    tokenizer = gguf_weights.load_tokenizer(src, cfg.arch)   # before the slow part: may need torch
     params = gguf_weights.read_params(reader, cfg, dtype=dtype, progress=progress, source=str(src))
   else:
     raise WeightsError(f"{src} is already a jaxspec checkpoint; load it directly")

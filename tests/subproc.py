@@ -62,3 +62,48 @@ def run_worker(script: str, out_dir: str, timeout: float = 900) -> dict:
   assert res.returncode == 0, res.stderr[-5000:]
   with open(os.path.join(out_dir, "report.json")) as f:
     return json.load(f)
+
+
+_FORKED = r"""
+import importlib, json, os, runpy, sys, tempfile
+spec = json.load(sys.stdin)
+for name in spec["preload"]:
+  importlib.import_module(name)
+results = []
+for args in spec["cases"]:
+  with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+      os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+      code = 0
+      try:
+        sys.argv = ["-m", *args]
+        runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
+      except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (e.code is not None)
+        if not isinstance(e.code, (int, type(None))):
+          print(e.code, file=sys.stderr)
+      except BaseException:
+        import traceback; traceback.print_exc(); code = 1
+      sys.stdout.flush(); sys.stderr.flush()
+      os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    out.seek(0); err.seek(0)
+    results.append([os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode()])
+print(json.dumps(results))
+"""
+
+
+def run_module_cases(module: str, cases: list[list[str]], preload: tuple[str, ...],
+                     timeout: float = 600) -> list[subprocess.CompletedProcess]:
+  """`python -m module *args` for each args in `cases`, each in a process of its own, forked from
+  one Python that has imported `preload` (the module's dependencies, not the module) first: a
+  flag check costs a fork instead of a second of imports. Not for runs that need a clean
+  process's stderr (import-time warnings go to the parent's) or start threads before forking."""
+  res = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True,
+                       timeout=timeout, input=json.dumps(dict(module=module, cases=cases,
+                                                              preload=preload)))
+  assert res.returncode == 0, res.stderr[-5000:]
+  return [subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out, err)
+          for args, (code, out, err) in zip(cases, json.loads(res.stdout.splitlines()[-1]))]

@@ -4,10 +4,42 @@ import sys
 
 import pytest
 
+from subproc import run_module_cases
+
 
 def run_cli(*args, timeout=600):
   return subprocess.run([sys.executable, "-m", "jaxspec.generate", *args], capture_output=True,
                         text=True, timeout=timeout)
+
+
+# What jaxspec.generate imports before it reads its flags.
+GENERATE_DEPS = ("jax.numpy", "numpy", "absl.flags", "jaxspec.cli", "jaxspec.requests",
+                 "jaxspec.ssv", "jaxspec.sts_map", "jaxspec.drafting.policies",
+                 "jaxspec.drafting.specattn", "jaxspec.engine.sampling")
+
+
+@pytest.fixture(scope="module")
+def flag_runs(tmp_path_factory):
+  """The flag checks below that fail before any model loads, each run as its own process but all
+  forked from one Python that has done generate's imports (`subproc.run_module_cases`): some 30
+  runs that would each spend a second importing. The runs of the UTF-8 and missing-model tests
+  are plain subprocesses, whose whole stderr is checked.
+
+  A function of (model path name, args) -> CompletedProcess (the model paths do not exist), with
+  the planner profile the --plan cases name as its `plan`."""
+  tmp = tmp_path_factory.mktemp("cli")
+  plan = _plan_file(tmp)
+  cases = ([[f"--model={tmp / 'nope'}", *args] for args, _ in BAD_FLAGS]
+           + [[f"--model={tmp / 'nope'}", "--prompt=hi", *args] for args, _ in BAD_METHOD_FLAGS]
+           + [[f"--model={tmp / 'nope'}", "--prompt=hi", f"--plan={plan}", *extra]
+              for extra, _ in PLAN_FLAGS]
+           + [[f"--model={tmp / 'never-loaded'}", "--prompt=hi", *args] for args, _ in DRAFT_FLAGS])
+  runs = dict(zip(map(tuple, cases), run_module_cases("jaxspec.generate", cases, GENERATE_DEPS)))
+
+  def run(model, *args):
+    return runs[(f"--model={tmp / model}", *args)]
+  run.plan = plan
+  return run
 
 
 def test_greedy_generation_prints_text_and_stats(weights_smollm2_gguf):
@@ -30,7 +62,7 @@ def test_batch_from_prompt_file(weights_smollm2_ckpt, tmp_path):
   assert res.stdout.count("=== [") == 2   # blank lines are skipped: two prompts, two completions
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_FLAGS = [
     (["--prompt=hi", "--max_len=1"], "--max_len must be an integer >= 2, got 1"),
     (["--prompt=hi", "--max_new_tokens=0"], "--max_new_tokens must be an integer >= 1, got 0"),
     (["--prompt=hi", "--top_p=0"], "top_p must be in (0, 1]"),
@@ -43,16 +75,19 @@ def test_batch_from_prompt_file(weights_smollm2_ckpt, tmp_path):
     (["--prompt=hi", "--method=vegas", "--min_tokens=-1"], "min_tokens must be a non-negative"),
     (["--prompt= "], "--prompt is empty"),
     (["--max_new_tokens=3"], "give exactly one of --prompt or --prompt_file"),
-])
-def test_bad_flags_fail_in_one_line_before_the_model_loads(tmp_path, args, message):
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_FLAGS)
+def test_bad_flags_fail_in_one_line_before_the_model_loads(flag_runs, args, message):
   # The model does not exist: a flag error that names the flag was raised before loading it.
-  res = run_cli(f"--model={tmp_path / 'nope'}", *args)
+  res = flag_runs("nope", *args)
   assert res.returncode == 1
   assert res.stderr.startswith(f"jaxspec.generate: error: {message}"), res.stderr
   assert len(res.stderr.strip().splitlines()) == 1 and "nope" not in res.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_METHOD_FLAGS = [
     (["--method=specattn"], "--method=specattn needs --draft_model"),
     (["--method=specattn", "--draft_model=x", "--top_p_attn=0"],
      "top_p_attn (SpecAttn's kept attention mass) must be in (0, 1], got 0.0"),
@@ -75,9 +110,12 @@ def test_bad_flags_fail_in_one_line_before_the_model_loads(tmp_path, args, messa
      "--sts_block must be an integer >= 1"),
     (["--method=sts", "--draft_model=x", "--sts_budget=8", "--tree=2,1"],
      "method 'sts' builds its attention mask from a chain"),
-])
-def test_bad_specattn_sts_and_ssv_flags_fail_in_one_line(tmp_path, args, message):
-  res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", *args)
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_METHOD_FLAGS)
+def test_bad_specattn_sts_and_ssv_flags_fail_in_one_line(flag_runs, args, message):
+  res = flag_runs("nope", "--prompt=hi", *args)
   assert res.returncode == 1
   assert res.stderr.startswith("jaxspec.generate: error: ") and message in res.stderr, res.stderr
   assert len(res.stderr.strip().splitlines()) == 1
@@ -120,12 +158,15 @@ def test_missing_model_is_named(tmp_path):
   assert "nope" in res.stderr and "no such checkpoint" in res.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+DRAFT_FLAGS = [
     (["--method=draft"], "--method=draft needs --draft_model"),
     (["--method=vegas", "--draft_model=smollm2-135m"], "--draft_model is only for --method=draft"),
-])
-def test_draft_model_flags_go_together(tmp_path, args, message):
-  res = run_cli(f"--model={tmp_path / 'never-loaded'}", "--prompt=hi", *args)
+]
+
+
+@pytest.mark.parametrize("args, message", DRAFT_FLAGS)
+def test_draft_model_flags_go_together(flag_runs, args, message):
+  res = flag_runs("never-loaded", "--prompt=hi", *args)
   assert res.returncode != 0
   assert message in res.stderr.strip().splitlines()[-1]
 
@@ -144,14 +185,16 @@ def _plan_file(tmp_path, **drop):
   return path
 
 
-@pytest.mark.parametrize("extra, message", [
+PLAN_FLAGS = [
     (["--method=vegas"], "--plan chooses the strategy: drop --method"),
     (["--gamma=4", "--sparsity=0.1"], "--plan chooses the strategy: drop --gamma, --sparsity"),
     (["--ssv_class=approx"], "--plan chooses the strategy: drop --ssv_class"),
-])
-def test_plan_flags_fail_in_one_line(tmp_path, extra, message):
-  res = run_cli(f"--model={tmp_path / 'nope'}", "--prompt=hi", f"--plan={_plan_file(tmp_path)}",
-                *extra)
+]
+
+
+@pytest.mark.parametrize("extra, message", PLAN_FLAGS)
+def test_plan_flags_fail_in_one_line(flag_runs, extra, message):
+  res = flag_runs("nope", "--prompt=hi", f"--plan={flag_runs.plan}", *extra)
   assert res.returncode == 1
   assert res.stderr == f"jaxspec.generate: error: {message}\n"
 

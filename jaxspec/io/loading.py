@@ -78,7 +78,7 @@ def load_model(spec: str | Path, *, dtype=jnp.bfloat16, progress: bool = False,
   else:
     gguf_weights.require_torch(path)   # before dequantizing, not after
     cfg, model = gguf_weights.load(path, dtype=dtype, progress=progress, mesh=mesh)
-    tokenizer = gguf_weights.load_tokenizer(path)
+    tokenizer = gguf_weights.load_tokenizer(path, cfg.arch)
   return LoadedModel(cfg=cfg, model=model, tokenizer=tokenizer, source=path)
 
 
