@@ -75,7 +75,8 @@ class SpecAttn(se.Method):
     dcache, rows = se.draft_rows(draft, dcache, tokens, pos, "mean")   # [gamma, Ld, B, S]
     rows = rows[:, jnp.asarray(self.spec.draft_layers)]
     n = pos[:, 0]
-    idx, counts = specattn.kept_union(rows, n, self.spec, self.spec.k_max(tcache.capacity))
+    idx, counts = specattn.kept_union(rows, n, self.spec, self.spec.k_max(tcache.capacity),
+                                      interpret=backend != "pallas")
     return LayerMapped(indices=idx, counts=counts, tail_start=n, slots=self.spec.slots), dcache
 
 

@@ -504,9 +504,11 @@ def main(argv):
       # Repetition is judged on the text, whatever the stop rule: a trailing EOS counts as ended.
       row.update(repetition_summary(outputs, loaded.stop_ids))
       if _PROFILE.value and runner.speculative and runner.planner is None:
-        # Phase shares on the serving batch as it stands at the end (steady state, mixed lengths).
-        _, row["phases"] = phase_times(runner, state)
-      state = None
+        # Phase shares on the serving batch as it stands at the end (steady state, mixed lengths);
+        # the state it returns is dropped here, or its caches would stay on the device while the
+        # next method allocates its own (an out-of-memory at B=32 x 32K with a draft model).
+        row["phases"] = phase_times(runner, state)[1]
+      state = runner = None
     except Exception as e:
       row = dict(method=entry, label=eos_label(entry, ignore_eos),
                  error=f"{type(e).__name__}: {str(e)[:500]}")

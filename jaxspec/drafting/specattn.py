@@ -78,7 +78,7 @@ class SpecAttnConfig:
   layers: f(j), the draft layer each target layer reads (`jaxspec.specattn_map`); top_p: the kept
   attention mass per draft row, in (0, 1]; cap: K_max, the static length of a united index list
   (None: the cache capacity, i.e. no cap); dense_layers: the first target layers kept dense;
-  topp_method: `topp_select`'s method, or 'auto' (default): 'pallas' on the Pallas backend with
+  topp_method: `topp_select`'s method, or 'auto' (default): 'pallas' compiled on a GPU with
   bf16 scores (2.2x the XLA 'threshold' search at the end-to-end shape, benchmarks/RESULTS.md),
   else 'threshold'; the two return the same set.
   """
@@ -153,7 +153,8 @@ def kept_union(rows: jax.Array, start: jax.Array, spec: SpecAttnConfig, k_max: i
                              (g, u, b)).reshape(-1)
   method = spec.topp_method
   if method == "auto":
-    method = "threshold" if interpret or rows.dtype != jnp.bfloat16 else "pallas"
+    on_gpu = not interpret and jax.default_backend() == "gpu"
+    method = "pallas" if on_gpu and rows.dtype == jnp.bfloat16 else "threshold"
   idx, cnt = _topp.topp_select(rows.reshape(-1, s), lengths, p=spec.top_p, k_max=k_max,
                                method=method, interpret=interpret and method == "pallas")
   return capped_union(row_sets(idx, cnt, s).reshape(g, u, b, s), rows, start, k_max)
