@@ -205,7 +205,7 @@ class STS(se.Method):
   spec: sts_drafting.STSConfig | None = None
 
   def select(self, view, budget):
-    rows = view.draft_rows[self.spec.granularity]
+    rows = view.draft_rows[self.spec.granularity][:, jnp.asarray(self.spec.score_layers)]
     idx, cnt = sts_drafting.head_union(rows, view.start, self.spec, view.weights.shape[-1])
     return LayerMapped(indices=idx, counts=cnt, tail_start=view.start, slots=self.spec.slots)
 

@@ -56,14 +56,14 @@ def test_real_pair_sts_greedy_equals_the_masked_target(real_pair):
   greedy decoding of the STS-masked 1.5B, built one token at a time with numpy masks
   (test_sts.sts_plan checks the engine's masks against them)."""
   from test_specattn import masked_greedy
-  from test_sts import sts_plan
+  from test_sts import all_layer_weights, sts_plan
   target, draft, ids = real_pair
   runner = Runner(target.model, method="sts", draft_model=draft.model, gamma=4, sts_budget=16,
                   stop_ids=(), cache_dtype=jnp.float32)
   out, stats = runner.generate(ids, max_new_tokens=8)
   assert 0 < stats.extra["kv_kept_share"] < 1
   assert out[0] == masked_greedy(target.model, draft.model, ids[0], 4, 8,
-                                 runner.sts.draft_scores, sts_plan(runner.sts))
+                                 all_layer_weights(runner.sts), sts_plan(runner.sts))
 
 
 def test_real_pair_strict_ssv_on_the_nsaified_target_equals_its_greedy(real_pair):

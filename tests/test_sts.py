@@ -10,7 +10,7 @@ import pytest
 from jaxspec import sts_map
 from jaxspec.drafting import sts
 from jaxspec.engine.runner import Runner
-from jaxspec.model.attention import LayerMapped
+from jaxspec.model.attention import LayerMapped, ScoreSpec
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import init_random
 from pallas_kernels import verify_attention as va
@@ -104,7 +104,8 @@ def test_head_union_equals_reference(budget, block, granularity):
   else:
     spec, hd = spec_of(budget, block), 2
   rows = random_rows(budget + block, 3, 2, 2, hd, cap, starts)
-  idx, cnt = sts.head_union(rows, jnp.asarray(starts), spec, cap)
+  mapped = rows[:, jnp.asarray(spec.score_layers)]
+  idx, cnt = sts.head_union(mapped, jnp.asarray(starts), spec, cap)
   assert idx.shape == (4, 2, 2, spec.k_max(cap)) and cnt.shape == (4, 2, 2)
   ref = token_reference if block == 1 else block_reference
   for b, n in enumerate(starts):
@@ -115,6 +116,19 @@ def test_head_union_equals_reference(budget, block, granularity):
     assert all(v == list(range(12)) for v in as_dict(idx, cnt, 1).values())
 
 
+def test_only_the_mapped_draft_layers_are_collected():
+  """A map reading draft layer 1 only: the draft steps collect that layer, and the selection from
+  its rows alone is the reference's from every layer's."""
+  heads = (((1, 0), (1, 1)), ((1, 1), (1, 0)), ((1, 0), (1, 0)), ((1, 1), (1, 1)))
+  spec, starts, cap = spec_of(6, 1, heads), [37, 12], 64
+  assert spec.score_layers == (1,) and spec.draft_scores.layers == (1,)
+  rows = random_rows(3, 3, 2, 2, 2, cap, starts)
+  idx, cnt = sts.head_union(rows[:, 1:], jnp.asarray(starts), spec, cap)
+  for b, n in enumerate(starts):
+    assert as_dict(idx, cnt, b) == token_reference(np.asarray(rows[:, :, b].astype(jnp.float32)),
+                                                   n, spec)
+
+
 def test_pages_of_one_token_are_tokens():
   rows = np.asarray(random_rows(5, 3, 2, 1, 2, 48, [30])[:, :, 0].astype(jnp.float32))
   for budget in (1, 5, 17):
@@ -122,9 +136,17 @@ def test_pages_of_one_token_are_tokens():
             == token_reference(rows, 30, spec_of(budget, 1)))
 
 
+def all_layer_weights(spec):
+  """The rows the references read: every draft layer's (the engine collects the mapped ones)."""
+  return ScoreSpec("weights", rows=(-1,), heads=spec.granularity)
+
+
 def sts_plan(spec):
+  """A round's plan from every draft layer's rows [gamma, Ld, Hd, S] (`all_layer_weights`): the
+  engine's selection over the mapped layers' rows, checked against the numpy reference."""
   def plan(rows, n, cap):
-    idx, cnt = sts.head_union(rows[:, :, None], jnp.asarray([n]), spec, cap)
+    mapped = rows[:, jnp.asarray(spec.score_layers)][:, :, None]
+    idx, cnt = sts.head_union(mapped, jnp.asarray([n]), spec, cap)
     ref = (token_reference if spec.block == 1 else block_reference)(np.asarray(rows), n, spec)
     assert as_dict(idx, cnt, 0) == ref   # the plan below is the reference's
     return LayerMapped(indices=idx, counts=cnt, tail_start=jnp.asarray([n]),
@@ -158,7 +180,7 @@ def test_greedy_sts_equals_greedy_masked_target(pair, budget, block, granularity
   assert spec == spec_of(budget, block, heads, granularity, draft_heads=2 if granularity == "kv"
                          else 4)
   for prompt, got in zip(PROMPTS, out):
-    assert got == masked_greedy(target, draft, prompt, GAMMA, MAX_NEW, spec.draft_scores,
+    assert got == masked_greedy(target, draft, prompt, GAMMA, MAX_NEW, all_layer_weights(spec),
                                 sts_plan(spec))
   # The mask matters: dense speculative decoding (the dense target's) differs.
   dense, _ = Runner(target, method="draft", draft_model=draft, gamma=GAMMA,

@@ -8,10 +8,11 @@ output follows its distribution. The full KV cache is kept; only what verificati
 
 It is SpecAttn's round (`jaxspec.drafting.specattn`: the same drafter skeleton, row alignment and
 union) with a per-head selection. One round, for a sequence whose target cache holds [0, n):
-  draft    the draft model's gamma dense steps return, per draft layer and head, the attention
-           weights of the row that sampled each draft (positions n + s, s = 0..gamma-1, over keys
-           [0, n + s]): per KV head the mean over its query group (granularity 'kv', the default),
-           or per query head ('q'; the pure-JAX reference collects these, the kernel does not).
+  draft    the draft model's gamma dense steps return, per head of each draft layer the map reads
+           (`STSConfig.score_layers`), the attention weights of the row that sampled each draft
+           (positions n + s, s = 0..gamma-1, over keys [0, n + s]): per KV head the mean over its
+           query group (granularity 'kv', the default), or per query head ('q'; the pure-JAX
+           reference collects these, the kernel does not).
   mask     every target layer j and head h reads its mapped draft head (`jaxspec.sts_map`, one map
            per budget k; without one the proportional map, draft layer floor(j * Ld / Lt) and head
            floor(h * Hd / Ht)). Per row: the top-k keys of that draft head (`topk_select`, exact,
@@ -29,7 +30,8 @@ union) with a per-head selection. One round, for a sequence whose target cache h
 
 Costs: a KV head's list holds at most k positions (k // P pages), so verification gathers k rows
 of K and V per KV head and layer, at either granularity, plus the gamma + 1 tail rows. The draft's
-score collection re-reads its keys once per step (`verify_attention`'s 'weights' pass).
+score collection re-reads its keys once per step in each of those layers (`verify_attention`'s
+'weights' pass).
 
 Row alignment and greedy equality are SpecAttn's (see its module docstring): the mask is a
 per-round object made from the draft rows of that round, so the masked target is an autoregressive
@@ -102,9 +104,17 @@ class STSConfig:
     return tuple(range(len(self.heads)))
 
   @property
+  def score_layers(self) -> tuple[int, ...]:
+    """The draft layers some target head reads, ascending: the only ones whose draft steps
+    collect weights (each costs a second pass over that layer's K)."""
+    return tuple(sorted({i for layer in self.heads for i, _ in layer}))
+
+  @property
   def table(self) -> tuple[int, ...]:
-    """Per target (layer, head), layer-major: its draft head's flat index, layer * Hd + head."""
-    return tuple(i * self.draft_heads + e for layer in self.heads for i, e in layer)
+    """Per target (layer, head), layer-major: its draft head's flat index among the collected
+    rows, (place of its layer in `score_layers`) * Hd + head."""
+    place = {i: u for u, i in enumerate(self.score_layers)}
+    return tuple(place[i] * self.draft_heads + e for layer in self.heads for i, e in layer)
 
   def pages(self, capacity: int) -> int:
     """Pages kept per row and per list: k // P, at most the cache's pages."""
@@ -115,13 +125,15 @@ class STSConfig:
 
   @property
   def draft_scores(self) -> ScoreSpec:
-    """The draft steps collect, per head, the weights of the row that sampled the draft."""
-    return ScoreSpec("weights", rows=(-1,), heads=self.granularity)
+    """The draft steps collect, per head, the weights of the row that sampled the draft, in the
+    draft layers the map reads."""
+    return ScoreSpec("weights", rows=(-1,), heads=self.granularity, layers=self.score_layers)
 
 
 def head_union(rows: jax.Array, start: jax.Array, spec: STSConfig, capacity: int
                ) -> tuple[jax.Array, jax.Array]:
-  """rows [gamma, Ld, B, Hd, S]: the draft's per-head rows of positions start + s over keys
+  """rows [gamma, Ls, B, Hd, S]: the draft's per-head rows, in the layers `spec.score_layers`
+  (Ls of them, as `draft_scores` collects), of positions start + s over keys
   [0, start + s] -> (indices [Lt, B, Hkv, K] ascending, counts [Lt, B, Hkv]), K = `k_max`: per
   target layer and KV head, its mapped draft heads' per-row top-k pages, united over the rows (and
   over a KV group's query heads at 'q'), below start, capped at k // P pages, as token positions."""
@@ -131,7 +143,7 @@ def head_union(rows: jax.Array, start: jax.Array, spec: STSConfig, capacity: int
 
 def head_select(rows: jax.Array, seen: jax.Array, limit: jax.Array, spec: STSConfig,
                 capacity: int) -> tuple[jax.Array, jax.Array]:
-  """`head_union` with each row's range given: rows [R, Ld, B, Hd, S], seen [R, B] (row r ranks
+  """`head_union` with each row's range given: rows [R, Ls, B, Hd, S], seen [R, B] (row r ranks
   the keys [0, seen[r, b]) only, its weights past them taken as 0; 0 leaves the row out), limit
   [B] (the positions kept: those below it) -> (indices [Lt, B, Hkv, K], counts [Lt, B, Hkv])."""
   g, ld, b, hd, s = rows.shape

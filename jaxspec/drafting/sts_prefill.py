@@ -57,8 +57,10 @@ from jaxspec.model.transformer import Transformer
 
 
 def turn_scores(spec: STSConfig) -> ScoreSpec:
-  """The draft's turn pass collects, per row and head, its attention weights."""
-  return ScoreSpec("weights", rows=None, per_row=True, heads=spec.granularity)
+  """The draft's turn pass collects, per row and head, its attention weights (in the draft layers
+  the map reads)."""
+  return ScoreSpec("weights", rows=None, per_row=True, heads=spec.granularity,
+                   layers=spec.score_layers)
 
 
 def check_chunk(chunk) -> int:
@@ -68,8 +70,8 @@ def check_chunk(chunk) -> int:
 
 def chunk_selection(rows: jax.Array, real: jax.Array, context: jax.Array, spec: STSConfig,
                     capacity: int) -> tuple[jax.Array, jax.Array]:
-  """rows [C, Ld, B, Hd, S]: the draft's rows of one chunk, real [C, B] (padding rows: False),
-  context [B] = n -> (indices [Lt, B, Hkv, K], counts [Lt, B, Hkv]): per target layer and KV head,
+  """rows [C, Ls, B, Hd, S]: the draft's rows of one chunk (`turn_scores`' layers), real [C, B]
+  (padding rows: False), context [B] = n -> (indices [Lt, B, Hkv, K], counts [Lt, B, Hkv]): per target layer and KV head,
   each real row's top-k keys (pages) of its mapped draft head among [0, n), united, capped at k."""
   return head_select(rows, jnp.where(real, context[None], 0), context, spec, capacity)
 
@@ -107,7 +109,7 @@ def prefill_turn(target: Transformer, draft: Transformer, spec: STSConfig, chunk
     tokens = jax.lax.dynamic_slice_in_dim(feed, start, chunk, axis=1)           # [B, C]
     positions = n[:, None] + start + offsets[None]
     _, dcache, scores = draft(tokens, positions, dcache.replace(lengths=n + start), scored,
-                              "reference")                                     # [Ld, B, C, Hd, S]
+                              "reference")                                     # [Ls, B, C, Hd, S]
     real = (start + offsets)[:, None] < rows[None]                              # [C, B]
     idx, cnt = chunk_selection(jnp.moveaxis(scores, 2, 0), real, n, spec, capacity)
     plan = LayerMapped(indices=idx, counts=cnt, tail_start=n, slots=slots)
