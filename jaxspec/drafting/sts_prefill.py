@@ -71,8 +71,9 @@ def check_chunk(chunk) -> int:
 def chunk_selection(rows: jax.Array, real: jax.Array, context: jax.Array, spec: STSConfig,
                     capacity: int) -> tuple[jax.Array, jax.Array]:
   """rows [C, Ls, B, Hd, S]: the draft's rows of one chunk (`turn_scores`' layers), real [C, B]
-  (padding rows: False), context [B] = n -> (indices [Lt, B, Hkv, K], counts [Lt, B, Hkv]): per target layer and KV head,
-  each real row's top-k keys (pages) of its mapped draft head among [0, n), united, capped at k."""
+  (padding rows: False), context [B] = n -> (indices [Lt, B, Hkv, K], counts [Lt, B, Hkv]): per
+  target layer and KV head, each real row's top-k keys (pages) of its mapped draft head among
+  [0, n), united, capped at k."""
   return head_select(rows, jnp.where(real, context[None], 0), context, spec, capacity)
 
 
