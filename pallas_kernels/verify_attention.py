@@ -46,9 +46,13 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     about 1/D extra traffic, and XLA sums the Hkv partials, applies the -inf rule and casts to bf16.
     The all-rows mode costs the same as Collect-2. Per-row 'logits' use each row's head-summed
     query in one [block_k, R] product (R = T rounded up to 16), stored key-major [B, Hkv, S, R] f32.
-  * 'weights' scores need the final log-sum-exp, known only after the combine, so a second pass
-    (`_weights_kernel`, per row `_row_weights_kernel`) re-reads K (not V) for the collected rows
-    only; per row, each row's G heads are summed by an MMA with a 0/1 grouping matrix.
+  * 'weights' scores need the final log-sum-exp, known only after the combine. Where few packed
+    rows are collected (a draft step: T = 1, G heads), the main pass stores their scaled logits
+    ([Hkv, M, S] f32, the rows up to the last collected one) and XLA applies the lse after the
+    combine: ~4 bytes per row and key written and read back instead of re-reading K. Otherwise a
+    second pass (`_weights_kernel`, per row `_row_weights_kernel`) re-reads K (not V) for the
+    collected rows only; per row, each row's G heads are summed by an MMA with a 0/1 grouping
+    matrix. `weights_store` picks between the two.
   * scores off compiles the kernel without any score code: it costs nothing extra.
   * default block_k 128 (64 with 'logits' scores at head_dim < 128); default splits: at most ~4
     programs per SM (at head_dim 128 one program fills an SM, so a partial last wave costs a whole
@@ -180,12 +184,13 @@ def _hi_lo(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, g: int,
-                   block_k: int, split_len: int, score_mode: str | None, tree: bool):
+                   block_k: int, split_len: int, score_mode: str | None, tree: bool,
+                   store_rows: int = 0):
   # len_ref  []       int32  cache entries before the T new tokens
   # q_ref    [M, D]   bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
   # k_ref    [S, D]          this KV head's keys (the BlockSpec squeezes the head; row stride Hkv*D)
   # v_ref    [S, D]
-  # refs, with scores: qsum_ref, summed queries split into bf16 high and low parts:
+  # refs, with 'sum' or 'rows' scores: qsum_ref, summed queries split into bf16 high and low parts:
   #   'sum'  [16, D]  the collected rows' sum: high part in row 0, low part in row 1, zeros after
   #   'rows' [2R, D]  each query row's sum over its G heads: high parts in rows 0..R-1, low after
   # with a tree (`online_softmax.tree_bounds`): full_ref [] int32, every row sees the keys before
@@ -197,8 +202,10 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   # l_ref    [M]      f32    softmax denominator of this split
   # and with scores: score_ref, raw logits q.k of this KV head's heads, summed:
   #   'sum'  [S] f32 over the collected rows;  'rows' [S, R] f32 per query row (column t)
+  #   or 'store' [M, S] f32: packed rows r < store_rows, each its own scaled base-2 logits (what
+  #   the softmax uses; -inf where masked), written only for the keys below kv_end
   refs = list(refs)
-  qsum_ref = None if score_mode is None else refs.pop(0)
+  qsum_ref = None if score_mode in (None, "store") else refs.pop(0)
   if tree:
     full_ref, end_ref, bits_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   if score_mode is None:
@@ -261,6 +268,12 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       s = jnp.where(visible, s, NEG_INF)
     elif masked:
       s = jnp.where(cols[None, :] <= length + row_t[:, None], s, NEG_INF)
+    if score_mode == "store":
+      # The softmax's own logits, so the 'weights' need no second pass over K: XLA applies the
+      # final lse to them after the combine.
+      keep = (jnp.arange(m_rows) < store_rows)[:, None]
+      plgpu.store(score_ref.at[:, pl.ds(j0, block_k)], s,
+                  mask=(keep & live[None, :]) if masked else keep)
     return online_softmax.update(carry, s, v)
 
   carry = online_softmax.init(m_rows, d)
@@ -361,19 +374,20 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, *refs, sm_scale: float, 
 # Unbatched pallas_call wrappers (one sequence; the public function vmaps them over the batch)
 
 def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, block_k,
-                      num_splits, score_mode, num_warps, num_stages, interpret):
+                      num_splits, score_mode, num_warps, num_stages, interpret, store_rows=0):
   """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16 or 2R, D] or None, tree None or
   (full [], end [], bits [M]) (see _verify_kernel)
 
   -> partials o [Hkv,P,M,D], m, l [Hkv,P,M], and with scores the per-head logit sums:
-  [Hkv, S] ('sum') or [Hkv, S, R] ('rows').
+  [Hkv, S] ('sum') or [Hkv, S, R] ('rows'), or the packed rows' logits [Hkv, M, S] ('store').
   """
   hkv, m_rows, d = q.shape
   s = k.shape[0]
   split_len = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
   p = pl.cdiv(s, split_len)
   kernel = functools.partial(_verify_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
-                             split_len=split_len, score_mode=score_mode, tree=tree is not None)
+                             split_len=split_len, score_mode=score_mode, tree=tree is not None,
+                             store_rows=store_rows)
   in_specs = [pl.BlockSpec((), lambda h, i: ()),
               pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
               pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
@@ -385,7 +399,7 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
                pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0)),
                pl.BlockSpec((None, None, m_rows), lambda h, i: (h, i, 0))]
   args = [length, q, k, v]
-  if score_mode is not None:
+  if score_mode in ("sum", "rows"):
     in_specs.append(pl.BlockSpec((None, qsum.shape[1], d), lambda h, i: (h, 0, 0)))
     args.append(qsum)
   if tree is not None:
@@ -395,6 +409,9 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
     if score_mode == "sum":
       out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
       out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
+    elif score_mode == "store":
+      out_shape.append(jax.ShapeDtypeStruct((hkv, m_rows, s), jnp.float32))
+      out_specs.append(pl.BlockSpec((None, m_rows, s), lambda h, i: (h, 0, 0)))
     else:
       r_rows = qsum.shape[1] // 2
       out_shape.append(jax.ShapeDtypeStruct((hkv, s, r_rows), jnp.float32))
@@ -480,7 +497,7 @@ def _row_queries(qp: jax.Array, t: int, g: int, r_rows: int, dtype) -> jax.Array
 
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
-    "num_warps", "num_stages", "score_heads", "score_dtype"))
+    "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store"))
 def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      score_kind: str | None = None,
                      score_rows: tuple[int, ...] | None = (0, -1),
@@ -488,8 +505,8 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      interpret: bool = False, block_k: int | None = None,
                      num_splits: int | None = None, num_warps: int = 4,
                      num_stages: int = 3, tree_bits: jax.Array | None = None,
-                     score_heads: str = "mean",
-                     score_dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array | None]:
+                     score_heads: str = "mean", score_dtype=jnp.bfloat16,
+                     weights_store: bool | None = None) -> tuple[jax.Array, jax.Array | None]:
   """Pallas flash-decoding verification attention; same contract as verify_attention_reference,
   `tree_bits` included (None compiles the chain's kernels, unchanged).
 
@@ -503,6 +520,10 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   the cache length rounded down to a power of two), `num_splits` splits of the sequence per
   (sequence, KV head) (default: at most ~4 programs per SM; ~6 with 'logits' scores and 64 or
   more packed query rows), Triton's `num_warps` and `num_stages`.
+  `weights_store`: collected 'weights' (not per row, no tree) from the main pass's stored logits
+  rather than a second pass over K; None (the default) stores where that moves fewer bytes: the
+  packed rows up to the last collected one, written and read back in f32, against one read of K
+  (8 * rows <= D * itemsize; a draft step's T = 1 with G <= 8 at head_dim 64).
   """
   _check_shapes(q, k, v, lengths)
   if score_kind not in (None, "logits", "weights"):
@@ -550,13 +571,21 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   row_idx = [] if rows is None else [r * g + i for r in rows for i in range(g)]   # packed rows
   r_rows = pow2_rows(t)                                  # score columns in per-row mode
   score_mode, qsum = None, None
-  if score_kind == "logits" and per_row:
+  store_rows = 0 if rows is None else max(row_idx) + 1
+  if weights_store is None:
+    weights_store = (score_kind == "weights" and not per_row and tree is None
+                     and 8 * store_rows <= d * k.dtype.itemsize)
+  elif weights_store and (score_kind != "weights" or per_row or tree is not None):
+    raise ValueError("weights_store needs collected 'weights' scores, not per row, without a tree")
+  if weights_store:
+    score_mode = "store"
+  elif score_kind == "logits" and per_row:
     score_mode, qsum = "rows", _row_queries(qp, t, g, r_rows, k.dtype)
   elif score_kind == "logits":
     score_mode, qsum = "sum", _summed_query(qp, row_idx, k.dtype)
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
-                                    score_mode=score_mode, **common))(qp, k, v, lengths, qsum,
-                                                                      tree)
+                                    score_mode=score_mode, store_rows=store_rows, **common))(
+                                        qp, k, v, lengths, qsum, tree)
   o, lse2 = combine_splits(*outs[:3])                   # [B,Hkv,M,D], [B,Hkv,M]
   out = online_softmax.unpack_queries(o, t, g).astype(q.dtype)
   if score_kind is None:
@@ -591,6 +620,11 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     first_row = None
   if score_kind == "logits":
     per_head = outs[3]                                  # [B,Hkv,S]
+  elif weights_store:
+    r_idx = jnp.asarray(row_idx)
+    logits = outs[3][:, :, r_idx]                       # [B,Hkv,R*G,S], base 2, scaled
+    # Past what every collected row sees the buffer was not written: the -inf rule below drops it.
+    per_head = jnp.sum(jnp.exp2(logits - lse2[:, :, r_idx, None]), axis=2)
   else:
     # Rematerialise: the collected rows' weights need the final lse, known only now.
     r_idx = jnp.asarray(row_idx)

@@ -6,6 +6,7 @@ kernel runs, so an element left unwritten shows up too.
 """
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,53 @@ def test_verify_attention(t, hq, hkv, d, kind, rows, knobs):
       continue
     got = np.argsort(-np.where(fin[i], sc[i], -np.inf), kind="stable")[:kk]
     assert set(got) == set(np.flatnonzero(fin[i])[order[:kk]])
+
+
+STORE_CASES = [
+    # T, Hq, Hkv, D, score_rows, score_heads, knobs
+    (1, 7, 1, 64, (0, -1), "mean", dict(block_k=16, num_splits=3)),   # a draft step, GQA 7
+    (1, 14, 2, 64, (-1,), "kv", dict(block_k=16, num_splits=2)),       # STS's rows per KV head
+    (3, 4, 2, 64, (0, -1), "mean", dict(block_k=32, num_splits=2)),    # a stored row not collected
+]
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("t,hq,hkv,d,rows,heads,knobs", STORE_CASES)
+def test_weights_from_stored_logits_equal_the_second_pass(t, hq, hkv, d, rows, heads, knobs, store):
+  """'weights' from the main pass's stored logits and from the second pass over K: both the
+  reference's, -inf exactly where a collected row does not see the key."""
+  _, (out, scores), (ref, ref_scores) = _verify_both(
+      t, hq, hkv, d, dict(knobs, weights_store=store), score_kind="weights", score_rows=rows,
+      score_heads=heads)
+  assert _rel_err(out, ref) < 1e-2
+  assert scores.shape == ref_scores.shape == ((_B, hkv, _S) if heads == "kv" else (_B, _S))
+  sc, rs = np.asarray(scores, np.float32), np.asarray(ref_scores, np.float32)
+  assert not np.isnan(sc).any()
+  np.testing.assert_array_equal(np.isinf(sc), np.isinf(rs))
+  fin = np.isfinite(rs)
+  np.testing.assert_allclose(sc[fin], rs[fin], rtol=2e-2, atol=1e-3)
+
+
+def _kernel_names(t, hq, d, **opts):
+  q, k = jnp.zeros((1, t, hq, d), jnp.bfloat16), jnp.zeros((1, 32, 1, d), jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(lambda q, k: va.verify_attention(
+      q, k, k, jnp.zeros((1,), jnp.int32), interpret=True, **opts))(q, k)
+  return set(re.findall(r"verify_attention_\w+", str(jaxpr)))
+
+
+def test_weights_store_is_chosen_by_the_bytes_it_moves():
+  """A draft step (T = 1, G = 7, head_dim 64) stores its logits; verification of 8 rows at G = 7
+  (448 f32 bytes a key against 128 of K) takes the second pass; bad requests are errors."""
+  assert _kernel_names(1, 7, 64, score_kind="weights") == {"verify_attention_t1_g7_d64_scores_store"}
+  names = _kernel_names(8, 7, 64, score_kind="weights")
+  assert "verify_attention_t8_g7_d64" in names and "verify_attention_weights_g7_d64" in names
+  q = jnp.zeros((1, 2, 2, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 32, 1, 64), jnp.bfloat16)
+  lengths = jnp.zeros((1,), jnp.int32)
+  for opts in (dict(score_kind="logits"), dict(score_kind="weights", per_row=True),
+               dict(score_kind="weights", tree_bits=jnp.asarray([1, 3], jnp.int32))):
+    with pytest.raises(ValueError, match="weights_store"):
+      va.verify_attention(q, k, k, lengths, interpret=True, weights_store=True, **opts)
 
 
 PER_ROW_CASES = [
