@@ -13,7 +13,9 @@ triton.testing.do_bench (CUDA events, median). Inputs that fit in L2 (top-k scor
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 import time
 import traceback
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 from benchmarks.common import copy_ceiling, device_name, git_commit, time_batched, write_json
 from benchmarks.common import time_chain as common_time_chain
 from jaxspec.drafting.policies import budget
+from jaxspec.drafting import sts
 from jaxspec.drafting.specattn import SpecAttnConfig, capped_union, kept_union, row_sets
 from jaxspec.drafting.trees import Tree
 from jaxspec import cli
@@ -46,7 +49,8 @@ flags.DEFINE_integer("batches", 7, "timed batches per measurement (median report
 flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
-flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree", "specattn"],
+flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree", "specattn",
+                                   "sts"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "scores: split count and block_k of the scored verification kernel; "
@@ -54,7 +58,11 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree",
                   "tree: verification and sparse attention under a draft tree's mask against "
                   "the chain at the same T; specattn: what SpecAttn adds to a round at the "
                   "end-to-end serving shape (the draft step's weights scores, the round's "
-                  "top-p selection and capped union, per top-p method)")
+                  "top-p selection and capped union, per top-p method); sts: STS's round "
+                  "selection at the same shape (per-head top-k and capped union, per top-k "
+                  "method)")
+flags.DEFINE_string("sts_map", "benchmarks/results/maps/sts_map_k256.qwen2_5-coder-0_5b.json",
+                    "the head map whose draft heads --plan=sts selects from")
 flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree"],
                   "kernel groups --check runs")
 flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
@@ -606,25 +614,74 @@ def specattn_select_case(gamma, layers, b, s, p, cap):
 def specattn_plan(sh):
   """SpecAttn's round costs at the end-to-end run's shapes (benchmarks/RESULTS.md: the 1.5B
   verifying, the 0.5B drafting, B = 32, 16K-32K-token prompts, the KL map's 10 draft layers,
-  cap 4096): a draft step's attention with and without the 'weights' scores of its sampling row,
-  and the round's selection."""
+  cap 4096): a draft step's attention with and without the 'weights' scores of its sampling row
+  (from the main pass's stored logits, the default at T = 1, and from a second pass over K; summed
+  over heads as SpecAttn collects them, per KV head as STS does), and the round's selection."""
+  weights = "collect2-weights"
   for s in (16384, 32768):
-    dense_case("qwen2.5-0.5b", 32, s // sh, 1, ("off", "collect2-weights", "collect2"),
-               with_ref=False, with_torch=False)
+    dense_case("qwen2.5-0.5b", 32, s // sh, 1, ("off", weights, "collect2"),
+               with_ref=False, with_torch=False,
+               variants=({"scores": weights, "weights_store": False},
+                         {"scores": weights, "score_heads": "kv"},
+                         {"scores": weights, "score_heads": "kv", "weights_store": False}))
   for s in (16384, 32768):
     specattn_select_case(4, 10, 32, s // sh, 0.95, 4096 // sh)
 
 
+@guarded
+def sts_select_case(gamma, b, s, path):
+  """STS's round selection (`jaxspec.drafting.sts.head_union`) from gamma draft steps' per-KV-head
+  rows of the draft layers the head map at `path` reads, and its per-row top-k alone, per top-k
+  method."""
+  with open(path) as f:
+    m = json.load(f)
+  heads = tuple(tuple(tuple(e) for e in layer) for layer in m["heads"])
+  hd, hkv = 2, len(heads[0])                                     # the 0.5B's KV heads, the 1.5B's
+  spec = sts.STSConfig(heads=heads, draft_heads=hd, target_kv_heads=hkv, budget=m["budget"])
+  ls, used = len(spec.score_layers), len(set(spec.table))
+  rows = [attention_rows(70 + i, (gamma, ls, b, hd, s)) for i in range(2)]
+  start = jnp.full((b,), s - gamma - 1, jnp.int32)
+  nbytes = rows[0].size * 2
+  name = f"sts select {gamma}x{ls}x{b}x{hd} rows x S{s} k {m['budget']}"
+  lengths = jnp.broadcast_to(start[None, None] + jnp.arange(gamma, dtype=jnp.int32)[:, None, None]
+                             + 1, (gamma, used, b)).reshape(-1)
+  for method in ("threshold", "pallas"):
+    cfg = dataclasses.replace(spec, topk_method=method)
+    fn = jax.jit(functools.partial(sts.head_union, spec=cfg, capacity=s,
+                                   interpret=FLAGS.interpret))
+    record(name, f"head_union {method} ({used} draft heads, {len(heads) * hkv} target)",
+           lambda fn=fn: time_jax(fn, [(r, start) for r in rows]), nbytes)
+    k_max = min(spec.budget, s)
+    sel = jax.jit(functools.partial(topk_select, k_max=k_max, method=method,
+                                    interpret=FLAGS.interpret and method == "pallas"))
+    picked = jnp.asarray(sorted(set(spec.table)))
+    flat = [r.swapaxes(2, 3).reshape(gamma, ls * hd, b, s)[:, picked].reshape(-1, s)
+            for r in rows]
+    k = jnp.minimum(lengths, k_max)
+    record(name, f"topk_select {method} alone ({flat[0].shape[0]} rows)",
+           lambda sel=sel: time_jax(sel, [(x, lengths, k) for x in flat]), nbytes)
+
+
+def sts_plan(sh):
+  """STS's round selection at the end-to-end run's shape (the 1.5B verifying, the 0.5B drafting,
+  B = 32, 16K-32K-token prompts, the recorded k = 256 head map, gamma = 4). The draft step's
+  per-KV-head 'weights' are in --plan=specattn."""
+  for s in (16384, 32768):
+    sts_select_case(4, 32, s // sh, FLAGS.sts_map)
+
+
 def summary():
   print("\n== summary (device %s, copy %.0f GB/s)" % (device_name(), COPY_BPS / 1e9))
-  print(f"{'case':44s} {'impl':30s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s}")
+  # The impl column is as wide as its longest label: variants differ only at the end of theirs.
+  w = max([30] + [len(r.get("impl", "")) for r in RESULTS])
+  print(f"{'case':44s} {'impl':{w}s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s}")
   for r in RESULTS:
     if r.get("impl") == "error":
       print(f"{r['case'][:44]:44s} ERROR {r['error'][:80]}")
     elif "error" in r:
-      print(f"{r['case'][:44]:44s} {r['impl'][:30]:30s} ERROR {r['error'][:60]}")
+      print(f"{r['case'][:44]:44s} {r['impl']:{w}s} ERROR {r['error'][:60]}")
     else:
-      print(f"{r['case'][:44]:44s} {r['impl'][:30]:30s} {r['us']:9.1f} {r['gb_s']:7.0f} "
+      print(f"{r['case'][:44]:44s} {r['impl']:{w}s} {r['us']:9.1f} {r['gb_s']:7.0f} "
             f"{r['pct_copy']:6.1f}")
 
 
@@ -656,6 +713,8 @@ def main(argv):
     tree_plan(q3, sh)
   elif FLAGS.plan == "specattn":
     specattn_plan(sh)
+  elif FLAGS.plan == "sts":
+    sts_plan(sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()

@@ -2,6 +2,8 @@
 independently (one target token per step, numpy masks); the mask builder against per-head
 references (tokens, pages; pages of one token are tokens); per-head scores of the kernel; bad
 input."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,6 +116,29 @@ def test_head_union_equals_reference(budget, block, granularity):
     assert all(len(v) <= budget for v in got.values())
   if budget == 40:   # the union outgrows nothing for the short sequence: every position < n kept
     assert all(v == list(range(12)) for v in as_dict(idx, cnt, 1).values())
+
+
+def test_head_union_with_the_pallas_top_k_is_the_reference():
+  """topk_method 'pallas' (interpret mode) ranks the bf16 rows as they are: the reference's lists
+  (HEADS maps several target heads to one draft head: each such list is united once)."""
+  starts, cap = [37, 12], 64
+  spec = dataclasses.replace(spec_of(6), topk_method="pallas")
+  rows = random_rows(6, 3, 2, 2, 2, cap, starts)
+  idx, cnt = sts.head_union(rows[:, jnp.asarray(spec.score_layers)], jnp.asarray(starts), spec,
+                            cap, interpret=True)
+  for b, n in enumerate(starts):
+    assert as_dict(idx, cnt, b) == token_reference(np.asarray(rows[:, :, b].astype(jnp.float32)),
+                                                   n, spec)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(topk_method="sort"), "the STS top-k method must be one of auto, threshold, pallas"),
+    (dict(topk_method="pallas", block=4), "'pallas' ranks bf16 token scores: block must be 1"),
+])
+def test_bad_selection_settings_are_one_line_errors(kw, message):
+  with pytest.raises(ValueError) as e:
+    sts.STSConfig(heads=HEADS, draft_heads=2, target_kv_heads=2, budget=8, **kw)
+  assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_only_the_mapped_draft_layers_are_collected():

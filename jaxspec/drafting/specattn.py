@@ -183,8 +183,8 @@ class SpecAttnDrafter(DraftModelDrafter):
   @property
   def draft_scores(self) -> ScoreSpec:
     """The weights of the row that sampled each draft (a step's last row), in the draft layers
-    the map reads only: 'weights' re-read K, which costs a draft step about half again per layer
-    (benchmarks/RESULTS.md)."""
+    the map reads only: 'weights' add about a quarter to a collecting layer's attention at a
+    draft step (stored logits read back; benchmarks/RESULTS.md)."""
     return ScoreSpec("weights", rows=(-1,), layers=self.spec.draft_layers)
 
   def start(self, draft: Transformer, prompts: jax.Array, prompt_lens: jax.Array,

@@ -30,8 +30,9 @@ union) with a per-head selection. One round, for a sequence whose target cache h
 
 Costs: a KV head's list holds at most k positions (k // P pages), so verification gathers k rows
 of K and V per KV head and layer, at either granularity, plus the gamma + 1 tail rows. The draft's
-score collection re-reads its keys once per step in each of those layers (`verify_attention`'s
-'weights' pass).
+score collection adds, per step and collecting layer, its stored logits written and read back
+(`verify_attention`'s `weights_store`: ~25% of that layer's attention at the 0.5B's shapes); the
+selection runs each distinct draft head's top-k and each distinct tuple of rows' union once.
 
 Row alignment and greedy equality are SpecAttn's (see its module docstring): the mask is a
 per-round object made from the draft rows of that round, so the masked target is an autoregressive
@@ -59,6 +60,9 @@ from jaxspec.model.attention import LayerMapped, ScoreSpec
 from pallas_kernels import topk_select as _topk
 
 
+TOPK_METHODS = ("auto", "threshold", "pallas")
+
+
 def proportional_heads(target_layers: int, target_heads: int, draft_layers: int,
                        draft_heads: int) -> tuple[tuple[tuple[int, int], ...], ...]:
   """The map without calibration: target (j, h) -> (floor(j * Ld / Lt), floor(h * Hd / Ht))."""
@@ -73,13 +77,16 @@ class STSConfig:
   heads: per target layer, per target head (KV heads at granularity 'kv', query heads at 'q'), the
   mapped (draft layer, draft head); draft_heads: the draft's heads per layer at that granularity;
   target_kv_heads: the target's KV heads; budget: k, the prefix keys each target KV head reads per
-  round, >= block; block: P, tokens per page (1: token granularity)."""
+  round, >= block; block: P, tokens per page (1: token granularity); topk_method: the per-row
+  top-k's `topk_select` method, 'auto' (default: its Pallas kernel compiled on a GPU at P = 1 with
+  bf16 scores, else the XLA 'threshold' search; the same set), 'threshold' or 'pallas' (P = 1)."""
   heads: tuple[tuple[tuple[int, int], ...], ...]
   draft_heads: int
   target_kv_heads: int
   budget: int
   block: int = 1
   granularity: str = "kv"
+  topk_method: str = "auto"
 
   def __post_init__(self):
     check_budget(self.budget)
@@ -92,6 +99,12 @@ class STSConfig:
     if self.granularity not in GRANULARITIES:
       raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got "
                        f"{self.granularity!r}")
+    if self.topk_method not in TOPK_METHODS:
+      raise ValueError(f"the STS top-k method must be one of {', '.join(TOPK_METHODS)}, got "
+                       f"{self.topk_method!r}")
+    if self.topk_method == "pallas" and self.block > 1:
+      raise ValueError("the STS top-k method 'pallas' ranks bf16 token scores: block must be 1 "
+                       "(page sums are float32)")
 
   @property
   def group(self) -> int:
@@ -106,7 +119,7 @@ class STSConfig:
   @property
   def score_layers(self) -> tuple[int, ...]:
     """The draft layers some target head reads, ascending: the only ones whose draft steps
-    collect weights (each costs a second pass over that layer's K)."""
+    collect weights (each adds about a quarter to that layer's attention at a draft step)."""
     return tuple(sorted({i for layer in self.heads for i, _ in layer}))
 
   @property
@@ -130,19 +143,19 @@ class STSConfig:
     return ScoreSpec("weights", rows=(-1,), heads=self.granularity, layers=self.score_layers)
 
 
-def head_union(rows: jax.Array, start: jax.Array, spec: STSConfig, capacity: int
-               ) -> tuple[jax.Array, jax.Array]:
+def head_union(rows: jax.Array, start: jax.Array, spec: STSConfig, capacity: int,
+               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """rows [gamma, Ls, B, Hd, S]: the draft's per-head rows, in the layers `spec.score_layers`
   (Ls of them, as `draft_scores` collects), of positions start + s over keys
   [0, start + s] -> (indices [Lt, B, Hkv, K] ascending, counts [Lt, B, Hkv]), K = `k_max`: per
   target layer and KV head, its mapped draft heads' per-row top-k pages, united over the rows (and
   over a KV group's query heads at 'q'), below start, capped at k // P pages, as token positions."""
   seen = start[None] + jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None] + 1   # keys per row
-  return head_select(rows, seen, start, spec, capacity)
+  return head_select(rows, seen, start, spec, capacity, interpret)
 
 
 def head_select(rows: jax.Array, seen: jax.Array, limit: jax.Array, spec: STSConfig,
-                capacity: int) -> tuple[jax.Array, jax.Array]:
+                capacity: int, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
   """`head_union` with each row's range given: rows [R, Ls, B, Hd, S], seen [R, B] (row r ranks
   the keys [0, seen[r, b]) only, its weights past them taken as 0; 0 leaves the row out), limit
   [B] (the positions kept: those below it) -> (indices [Lt, B, Hkv, K], counts [Lt, B, Hkv])."""
@@ -150,24 +163,38 @@ def head_select(rows: jax.Array, seen: jax.Array, limit: jax.Array, spec: STSCon
   p, kp = spec.block, spec.pages(capacity)
   n_pages = -(-s // p)
   used = tuple(sorted(set(spec.table)))       # each draft head's top-k is computed once
-  w = rows.astype(jnp.float32).swapaxes(2, 3).reshape(g, ld * hd, b, s)[:, jnp.asarray(used)]
+  w = rows.swapaxes(2, 3).reshape(g, ld * hd, b, s)[:, jnp.asarray(used)]
   in_range = jnp.arange(s) < seen[:, None, :, None]
-  w = jnp.where(jnp.isfinite(w) & (w > 0) & in_range, w, 0.0)
-  pw = jnp.pad(w, ((0, 0),) * 3 + ((0, n_pages * p - s),)).reshape(g, len(used), b, n_pages, p)
-  pw = pw.sum(-1)                                                               # [g, N, B, Pn]
+  w = jnp.where(jnp.isfinite(w) & (w > 0) & in_range, w, 0)
+  method = spec.topk_method
+  if method == "auto":
+    on_gpu = not interpret and jax.default_backend() == "gpu"
+    method = "pallas" if on_gpu and p == 1 and w.dtype == jnp.bfloat16 else "threshold"
+  if method == "pallas":          # bf16 token scores ranked as they are (P = 1: pages are tokens)
+    pw = w.astype(jnp.bfloat16)
+  else:
+    pw = jnp.pad(w.astype(jnp.float32), ((0, 0),) * 3 + ((0, n_pages * p - s),))
+    pw = pw.reshape(g, len(used), b, n_pages, p).sum(-1)                        # [g, N, B, Pn]
   page_len = jnp.broadcast_to(-(-seen[:, None] // p), (g, len(used), b)).reshape(-1)
   take = jnp.minimum(page_len, kp)
-  idx = _topk.topk_select(pw.reshape(-1, n_pages), page_len, take, k_max=kp)
+  idx = _topk.topk_select(pw.reshape(-1, n_pages), page_len, take, k_max=kp, method=method,
+                          interpret=interpret and method == "pallas")
   keep = row_sets(idx, take, n_pages).reshape(g, len(used), b, n_pages)
-  # Per target (layer, KV head): its rows, a KV group's G query heads' rows side by side.
-  t = jnp.asarray([used.index(i) for i in spec.table])
+  # Per target (layer, KV head): its draft rows, a KV group's G query heads' side by side. Units
+  # reading the same draft rows (at 'kv', every target head mapped to one draft head) get the same
+  # list, so each distinct tuple of rows is united once.
   units, grp = len(spec.table) // spec.group, spec.group
+  unit_rows = [tuple(used.index(i) for i in spec.table[u * grp:(u + 1) * grp])
+               for u in range(units)]
+  distinct = sorted(set(unit_rows))
+  sel = jnp.asarray(distinct)                                                   # [D, grp]
 
-  def per_unit(x):
-    return x[:, t].reshape(g, units, grp, b, n_pages).swapaxes(1, 2).reshape(
-        g * grp, units, b, n_pages)
+  def per_tuple(x):
+    return x[:, sel].swapaxes(1, 2).reshape(g * grp, len(distinct), b, n_pages)
 
-  pidx, pcnt = capped_union(per_unit(keep), per_unit(pw), -(-limit // p), kp)  # [U*Hkv, B, kp]
+  pidx, pcnt = capped_union(per_tuple(keep), per_tuple(pw), -(-limit // p), kp)   # [D, B, kp]
+  at = jnp.asarray([distinct.index(r) for r in unit_rows])
+  pidx, pcnt = pidx[at], pcnt[at]                                               # [U*Hkv, B, ...]
   tokens = (pidx[..., None] * p + jnp.arange(p)).reshape(units, b, kp * p)
   # Pages ascend, so the positions below limit form a prefix (only the last page can cross it).
   in_list = jnp.broadcast_to(jnp.arange(kp)[:, None] < pcnt[..., None, None], (units, b, kp, p))
@@ -198,4 +225,5 @@ class STSDrafter(SpecAttnDrafter):
 
   def select(self, scores: jax.Array, start: jax.Array, config: RunConfig
              ) -> tuple[jax.Array, jax.Array]:
-    return head_union(scores, start, self.spec, config.capacity)
+    return head_union(scores, start, self.spec, config.capacity,
+                      interpret=config.backend != "pallas")

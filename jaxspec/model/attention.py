@@ -90,8 +90,9 @@ class ScoreSpec:
   row per KV head (the mean over its query group: [B, Hkv, S], per_row [B, T, Hkv, S]), 'q' one
   per query head ([B, Hq, S], per_row [B, T, Hq, S]; the pure-JAX reference only); layers: the
   layers that collect, ascending (None: every layer), so a pass returns [len(layers), B, ...]
-  (scores cost: 'weights' re-read K, a whole K pass per layer at T=1, so a consumer that reads a
-  few layers names them).
+  (scores cost: 'weights' at a draft step add ~25% to a layer's attention, stored logits read back
+  after the combine, and a whole second K pass where more rows are collected; a consumer that
+  reads a few layers names them).
   """
   kind: str = "logits"
   rows: tuple[int, ...] | None = (0, -1)
