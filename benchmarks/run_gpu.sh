@@ -75,7 +75,9 @@ for step in "$@"; do
       # The recorded maps of the 1.5B/0.5B pair (benchmarks/results/maps) go beside the 1.5B, so
       # the sts, specattn and sparse_e2e steps need not rebuild them (minutes of device time); a
       # map names the checkpoints' hashes, so one that no longer fits is a clear error at load.
-      if [ "${MODEL:-0.5b}" = 1.5b ]; then cp -n benchmarks/results/maps/*.json $CKPT/; fi
+      if [ "${MODEL:-0.5b}" = 1.5b ]; then
+        for m in benchmarks/results/maps/*.json; do [ -f "$CKPT/${m##*/}" ] || cp "$m" "$CKPT/"; done
+      fi
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv ;;
     smoke)
       for m in none vegas; do
