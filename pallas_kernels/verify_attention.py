@@ -618,16 +618,15 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                                  (1,))                                    # [B]
     weights_bound = online_softmax.tree_bounds(common_bits[:, None], lengths, s)[1]
     first_row = None
+  r_idx = jnp.asarray(row_idx)                          # the collected packed rows
   if score_kind == "logits":
     per_head = outs[3]                                  # [B,Hkv,S]
   elif weights_store:
-    r_idx = jnp.asarray(row_idx)
     logits = outs[3][:, :, r_idx]                       # [B,Hkv,R*G,S], base 2, scaled
     # Past what every collected row sees the buffer was not written: the -inf rule below drops it.
     per_head = jnp.sum(jnp.exp2(logits - lse2[:, :, r_idx, None]), axis=2)
   else:
     # Rematerialise: the collected rows' weights need the final lse, known only now.
-    r_idx = jnp.asarray(row_idx)
     mc = pow2_rows(len(row_idx))
     qc = jnp.pad(qp[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g), (0, 0)))
     lc = jnp.pad(lse2[:, :, r_idx], ((0, 0), (0, 0), (0, mc - len(rows) * g)),

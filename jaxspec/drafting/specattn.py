@@ -64,6 +64,17 @@ DEFAULT_TOP_P = 0.97
 DENSE_LAYERS = 2   # the paper's: early layers' attention is diffuse (attention sinks)
 
 
+def kernel_or_xla(method: str, scores: jax.Array, interpret: bool, kernel_fits: bool = True
+                  ) -> str:
+  """A selection method as given, 'auto' resolved: 'pallas' where its kernel compiles (on a GPU,
+  not interpreted) and takes the scores (bf16, and `kernel_fits`), else the XLA 'threshold'
+  search; the two return the same set."""
+  if method != "auto":
+    return method
+  on_gpu = not interpret and jax.default_backend() == "gpu"
+  return "pallas" if on_gpu and kernel_fits and scores.dtype == jnp.bfloat16 else "threshold"
+
+
 def check_top_p(p) -> float:
   """p as a float when it is a number in (0, 1]; else a one-line ValueError."""
   if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
@@ -151,10 +162,7 @@ def kept_union(rows: jax.Array, start: jax.Array, spec: SpecAttnConfig, k_max: i
   g, u, b, s = rows.shape
   lengths = jnp.broadcast_to(start[None, None] + jnp.arange(g, dtype=jnp.int32)[:, None, None] + 1,
                              (g, u, b)).reshape(-1)
-  method = spec.topp_method
-  if method == "auto":
-    on_gpu = not interpret and jax.default_backend() == "gpu"
-    method = "pallas" if on_gpu and rows.dtype == jnp.bfloat16 else "threshold"
+  method = kernel_or_xla(spec.topp_method, rows, interpret)
   idx, cnt = _topp.topp_select(rows.reshape(-1, s), lengths, p=spec.top_p, k_max=k_max,
                                method=method, interpret=interpret and method == "pallas")
   return capped_union(row_sets(idx, cnt, s).reshape(g, u, b, s), rows, start, k_max)

@@ -53,7 +53,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.drafting.specattn import SpecAttnDrafter, capped_union, row_sets
+from jaxspec.drafting.specattn import SpecAttnDrafter, capped_union, kernel_or_xla, row_sets
 from jaxspec.sts_map import GRANULARITIES, check_budget
 from jaxspec.engine.config import RunConfig
 from jaxspec.model.attention import LayerMapped, ScoreSpec
@@ -166,10 +166,7 @@ def head_select(rows: jax.Array, seen: jax.Array, limit: jax.Array, spec: STSCon
   w = rows.swapaxes(2, 3).reshape(g, ld * hd, b, s)[:, jnp.asarray(used)]
   in_range = jnp.arange(s) < seen[:, None, :, None]
   w = jnp.where(jnp.isfinite(w) & (w > 0) & in_range, w, 0)
-  method = spec.topk_method
-  if method == "auto":
-    on_gpu = not interpret and jax.default_backend() == "gpu"
-    method = "pallas" if on_gpu and p == 1 and w.dtype == jnp.bfloat16 else "threshold"
+  method = kernel_or_xla(spec.topk_method, w, interpret, kernel_fits=p == 1)
   if method == "pallas":          # bf16 token scores ranked as they are (P = 1: pages are tokens)
     pw = w.astype(jnp.bfloat16)
   else:
