@@ -232,7 +232,8 @@ def check_all() -> bool:
   verify_cases = [(1, 32, 8, 128, None, (0, -1)), (8, 32, 8, 128, "logits", (0, -1)),
                   (12, 32, 8, 128, "weights", (0, -1)), (12, 14, 2, 64, "logits", None),
                   (7, 7, 1, 128, "weights", None), (2, 12, 2, 128, "logits", (0, -1)),
-                  (8, 32, 8, 128, "logits", "per_row"), (5, 14, 2, 64, "weights", "per_row")]
+                  (8, 32, 8, 128, "logits", "per_row"), (5, 14, 2, 64, "weights", "per_row"),
+                  (1, 14, 2, 64, "weights", (0, -1))]   # a draft step: weights from stored logits
   for (t, hq, hkv, d, kind, rows) in verify_cases:
     if "verify" not in groups:
       break
