@@ -26,7 +26,7 @@ position, per layer and KV head) over the host-to-device bandwidth measured in t
 large `pinned_host` array moved with `device_put`, the best of an eager and a jitted copy). The
 table gives each mode's ms per step, the floor, step / floor and achieved GB/s (copied bytes over
 step time). Before timing, each host mode's hidden states are checked against the device mode's
-(relative L2 error, reported). No GPU run has been made yet: benchmarks/RESULTS.md holds no numbers.
+(relative L2 error, reported). The H100 numbers are in benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 

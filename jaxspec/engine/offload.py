@@ -198,7 +198,9 @@ def gather_selected(cache: HostKVCache, plan: Plan, window: int, new_rows: int
 
   def fetch(x, at):
     """Rows `at` [B * N * Hkv] of host rows x, gathered in host memory, on the device."""
-    got = jax.device_put(x[at], dev).reshape(b, k + window, h, d)
+    # Reshaped in host memory, then moved: a reshape after the move became a bitcast across
+    # memory spaces, which XLA's GPU compiler rejects (jax 0.11.2).
+    got = jax.device_put(x[at].reshape(b, k + window, h, d), dev)
     return jnp.concatenate([got, jnp.zeros((b, room, h, d), x.dtype)], axis=1)
 
   ks, vs = [], []
