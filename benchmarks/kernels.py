@@ -50,7 +50,7 @@ flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
 flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree", "specattn",
-                                   "sts"],
+                                   "sts", "sts_verify"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "scores: split count and block_k of the scored verification kernel; "
@@ -60,7 +60,8 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree",
                   "end-to-end serving shape (the draft step's weights scores, the round's "
                   "top-p selection and capped union, per top-p method); sts: STS's round "
                   "selection at the same shape (per-head top-k and capped union, per top-k "
-                  "method)")
+                  "method); sts_verify: STS's sparse verification attention against the dense "
+                  "verify kernel at the 1.5B's shapes, B 16-64, 32K, T = 5, 10% budget")
 flags.DEFINE_string("sts_map", "benchmarks/results/maps/sts_map_k256.qwen2_5-coder-0_5b.json",
                     "the head map whose draft heads --plan=sts selects from")
 flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree"],
@@ -671,6 +672,17 @@ def sts_plan(sh):
     sts_select_case(4, 32, s // sh, FLAGS.sts_map)
 
 
+def sts_verify_plan(sh):
+  """STS's verification attention (issue 15's speed table): one 1.5B layer (12 query heads, 2 KV
+  heads of 128) verifying T = gamma + 1 = 5 rows over a 32K cache, dense (`verify_attention`, no
+  scores) against sparse over per-KV-head lists of 10% of the cache plus the 64-token tail
+  (`sparse_attention`, STS's plan), at B = 16, 32 and 64."""
+  s = 32768 // sh
+  for b in (16, 32, 64):
+    dense_case("qwen2.5-1.5b", b, s, 5, ("off",), with_ref=False, with_torch=False)
+    sparse_case("qwen2.5-1.5b", b, s, math.ceil(0.1 * s), 5, per_head=True, with_ref=False)
+
+
 def summary():
   print("\n== summary (device %s, copy %.0f GB/s)" % (device_name(), COPY_BPS / 1e9))
   # The impl column is as wide as its longest label: variants differ only at the end of theirs.
@@ -716,6 +728,8 @@ def main(argv):
     specattn_plan(sh)
   elif FLAGS.plan == "sts":
     sts_plan(sh)
+  elif FLAGS.plan == "sts_verify":
+    sts_verify_plan(sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()
