@@ -42,7 +42,8 @@
 #               autoregressive NSA against strict SSV (lossless) per query and in merged groups
 #               of 4, WORKLOAD (default short), BATCH (default 32), METHODS overrides
 #   ssv         SSV's kernels on synthetic selections and block overlap on the NSA-ified 1.5B
-#               (benchmarks.ssv; MODEL=1.5b prepped); EVALS, CONTEXTS (default 8K,16K),
+#               (benchmarks.ssv; MODEL=1.5b prepped; EVALS=verify, the verification stage of a
+#               random-weight NSA model, needs no weights); EVALS, CONTEXTS (default 8K,16K),
 #               PASSAGES (default 4), KERNEL_BATCH (sequences in the kernel rows, default 1),
 #               KERNEL_SPLITS (programs a branch, default auto) and KERNEL_OVERLAPS override
 # EOS is honoured (requests stop at the model's end-of-sequence tokens) and sampling is the

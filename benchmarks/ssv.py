@@ -1,8 +1,10 @@
 r"""SSV's evaluation: how much the blocks that NSA selects for adjacent verification rows and for
-adjacent layers overlap (the overlap that SSV's schedules turn into saved loads), and SSV's kernels
-on synthetic selections of controlled overlap. The second example is a smoke run.
+adjacent layers overlap (the overlap that SSV's schedules turn into saved loads), SSV's kernels
+on synthetic selections of controlled overlap, and the verification stage of a whole random-weight
+NSA model. The last example is a smoke run.
 
   python -m benchmarks.ssv --model=nsa:qwen2.5-coder-1.5b --contexts=8K,16K --passages=4
+  python -m benchmarks.ssv --evals=verify --verify_contexts=16K,32K --verify_profile
   python -m benchmarks.ssv --random --evals=overlap --contexts=512 --passages=1 --rows=16
 
 Evaluations (--evals):
@@ -37,6 +39,26 @@ Evaluations (--evals):
             one program (`benchmarks.common.time_chain`: no per-call dispatch), rotating through
             4 copies of the caches so that no call finds the blocks the call before it read in
             L2; on a CPU the kernels run in interpret mode and the times mean nothing.
+  verify    the verification stage (the paper's Section 7.2) on a whole random-weight NSA model:
+            Llama-3.2-1B's shape (16 layers, 32 query heads, 8 KV heads of 64: the paper's NSA
+            setup) with NSA's defaults, --verify_batch sequences whose caches hold
+            --verify_contexts tokens of random K/V (raw and compressed). Per --verify_rows T, one
+            verification pass (the layers, the LM head, the cache written; jitted, the cache
+            donated) per schedule: per-query (vanilla NSA), the exact merged schedule in groups
+            of --verify_group (strict SSV, lossless), the shared index (approx), the alternating
+            refresh/reuse schedule (reuse: the paper's), and shared + reuse; and the
+            autoregressive step (T = 1). Timed as 8 passes in one program (a loop, as the
+            engine's rounds run), --verify_reps times, median. With a per-token acceptance rate
+            a (--verify_acceptance, labels: random weights make real acceptance meaningless) a
+            chain of T rows yields E = (1 - a^T) / (1 - a) tokens a round, so the verification
+            side's speedup over autoregressive NSA decoding is E * t_AR / t_verify: drafting is
+            NOT counted, and `draft_budget_us` is the drafting time a round may take before
+            speculation stops paying ((E * t_AR - t_verify) / (T - 1) per draft token). In random
+            caches adjacent rows share little beyond the 3 blocks NSA always selects (the
+            measured overlap is in the JSON), the worst case for grouping: the kernel
+            evaluation gives the gain at controlled overlap. --verify_profile adds, on a GPU,
+            the GPU time per kernel of one autoregressive step and of one per-query and one
+            merged pass at each T.
 
 There are no trained NSA weights here: `nsa:SPEC` is SPEC's dense model NSA-ified training-free
 (`jaxspec.model.nsaify`: mean-pooled compression, fixed gates), a degraded model whose selections
@@ -59,7 +81,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from benchmarks import sparse_eval as se
-from benchmarks.common import device_name, git_commit, parse_tokens, write_json
+from benchmarks.common import device_name, git_commit, kernel_table, parse_tokens, write_json
 from jaxspec import cli
 from jaxspec.model.attention import NSA, Prefill
 from jaxspec.model.config import ModelConfig, NSAConfig
@@ -68,10 +90,17 @@ from jaxspec.model.transformer import Transformer, init_random
 from jaxspec.pairmap import calibration_windows
 
 PROG = "benchmarks.ssv"
-EVALS = ("overlap", "kernel")
+EVALS = ("overlap", "kernel", "verify")
 # The smoke model: NSA at a scale a few hundred bytes exercise (blocks of 16, 4 chosen, window 32).
 KERNEL_NSA = NSAConfig()   # the paper's NSA constants: n = 16 blocks of 64, a window of 512
 KV_COPIES = 4              # caches the chained kernel timings rotate through (kernel_eval)
+PASSES = 8                 # verification passes per timed program (verify_eval)
+# The verification stage's model (--evals=verify): Llama-3.2-1B's shape, the paper's NSA heads.
+VERIFY_MODEL = ModelConfig(arch="llama", vocab_size=128256, hidden_size=2048,
+                           intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                           head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                           tie_word_embeddings=True, max_position_embeddings=131072,
+                           nsa=NSAConfig())
 TINY = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    nsa=NSAConfig(compress_block=16, compress_stride=8, select_block=16,
@@ -87,7 +116,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   f = dict(flag_values=fv)
   flags.DEFINE_string("model", "nsa:qwen2.5-coder-1.5b", "an NSA model spec (nsa:SPEC NSA-ifies "
                       "a dense one)", **f)
-  flags.DEFINE_bool("random", False, "a tiny random NSA model on bytes instead of --model (a "
+  flags.DEFINE_bool("random", False, "a tiny random NSA model on bytes instead of --model, and "
+                    "as the verify model (a "
                     "smoke run: its numbers mean nothing)", **f)
   flags.DEFINE_list("evals", list(EVALS), "evaluations: " + ", ".join(EVALS), **f)
   flags.DEFINE_list("contexts", ["8K", "16K"], "tokens per passage; K = 1024", **f)
@@ -104,6 +134,17 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                        "group; a serving batch fills the GPU)", **f)
   flags.DEFINE_list("kernel_splits", ["auto"], "kernel: programs a branch of each row group "
                     "and KV head (`nsa_select_window`'s splits), auto or a positive integer", **f)
+  flags.DEFINE_list("verify_contexts", ["16K", "32K"], "verify: tokens in each cache", **f)
+  flags.DEFINE_list("verify_rows", ["8", "16"], "verify: verification rows T (gamma + 1)", **f)
+  flags.DEFINE_integer("verify_group", 4, "verify: rows per group of the merged and shared "
+                       "schedules", **f)
+  flags.DEFINE_integer("verify_batch", 1, "verify: sequences verified together", **f)
+  flags.DEFINE_list("verify_acceptance", ["0.6", "0.7", "0.8", "0.9"], "verify: per-token "
+                    "acceptance rates the speedups are given at (labels, not measurements)", **f)
+  flags.DEFINE_integer("verify_reps", 5, "verify: timed repetitions of 8 passes (median)", **f)
+  flags.DEFINE_bool("verify_profile", False, "verify, on a GPU: also the GPU time per kernel of "
+                    "one autoregressive step and one per-query and one merged pass at each T "
+                    "(benchmarks.common.kernel_table)", **f)
   flags.DEFINE_integer("copy_bytes", 4 << 30, "kernel: bytes of the copy that measures the "
                        "device's copy rate", **f)
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights and cache", **f)
@@ -111,7 +152,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
 
 
 FLAG_NAMES = ("evals", "contexts", "passages", "rows", "groups", "kernel_rows", "kernel_overlaps",
-              "kernel_context", "kernel_shape", "kernel_batch", "kernel_splits", "copy_bytes")
+              "kernel_context", "kernel_shape", "kernel_batch", "kernel_splits", "copy_bytes",
+              "verify_contexts", "verify_rows", "verify_group", "verify_batch",
+              "verify_acceptance", "verify_reps", "verify_profile")
 
 
 def parse_flags(v: dict) -> dict:
@@ -154,10 +197,31 @@ def parse_flags(v: dict) -> dict:
             for x in v["kernel_splits"]]
   if not splits:
     raise ValueError("--kernel_splits needs at least one entry (auto or an integer)")
+  verify_rows = [_int_entry(r, "--verify_rows", 2, 256) for r in v["verify_rows"]]
+  verify_contexts = [parse_tokens(c, "--verify_contexts") for c in v["verify_contexts"]]
+  if not verify_rows or not verify_contexts:
+    raise ValueError("--verify_rows and --verify_contexts need at least one entry each")
+  if not 2 <= v["verify_group"] <= min(verify_rows):
+    raise ValueError(f"--verify_group must be in [2, the fewest --verify_rows="
+                     f"{min(verify_rows)}], got {v['verify_group']}")
+  if v["verify_batch"] < 1 or v["verify_reps"] < 1:
+    raise ValueError(f"--verify_batch and --verify_reps must be >= 1, got {v['verify_batch']} "
+                     f"and {v['verify_reps']}")
+  try:
+    acceptance = [float(a) for a in v["verify_acceptance"]]
+  except ValueError:
+    acceptance = []
+  if not acceptance or not all(0 < a < 1 for a in acceptance):
+    raise ValueError(f"--verify_acceptance entries are rates in (0, 1), got "
+                     f"{','.join(map(str, v['verify_acceptance'])) or 'nothing'}")
   return dict(evals=evals, contexts=contexts, passages=v["passages"], rows=v["rows"],
               groups=groups, kernel_rows=kernel_rows, kernel_overlaps=overlaps,
               kernel_context=kernel_context, kernel_shape=tuple(int(x) for x in shape),
-              kernel_batch=v["kernel_batch"], kernel_splits=splits, copy_bytes=v["copy_bytes"])
+              kernel_batch=v["kernel_batch"], kernel_splits=splits, copy_bytes=v["copy_bytes"],
+              verify_contexts=verify_contexts, verify_rows=verify_rows,
+              verify_group=v["verify_group"], verify_batch=v["verify_batch"],
+              verify_acceptance=acceptance, verify_reps=v["verify_reps"],
+              verify_profile=bool(v["verify_profile"]))
 
 
 def _int_entry(text, name: str, low: int, high: int) -> int:
@@ -450,6 +514,158 @@ def plot_kernel(result: dict, out: str, title: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# The verification stage
+
+def verify_schedules(t: int, group: int, num_layers: int) -> list[tuple[str, NSA, bool]]:
+  """(name, plan, lossless) of each schedule a T-row verification pass is timed under; the reuse
+  schedule alternates refresh and reuse layers, as the paper's Section 7.2 does."""
+  alternating = tuple(i % 2 == 0 for i in range(num_layers))
+  return [("per_query", NSA(), True),
+          (f"merged_{group}", NSA(group=group), True),
+          (f"shared_{group}", NSA(group=group, shared=True), False),
+          ("reuse", NSA(refresh=alternating), False),
+          (f"shared_{group}_reuse", NSA(group=group, shared=True, refresh=alternating), False)]
+
+
+def accepted_per_round(rate: float, t: int) -> float:
+  """Tokens a chain round of t rows yields when each draft is accepted with probability `rate`
+  independently: 1 + a + ... + a^(t-1) (the accepted drafts and the verifier's own token)."""
+  return (1 - rate ** t) / (1 - rate)
+
+
+def _verify_pass(graphdef, state, tokens, cache, plan, backend):
+  """One verification pass as the engine runs it: the layers under `plan`, the new rows' K/V
+  (and completed compression blocks) written, the LM head; the cache's lengths do not move, so
+  passes repeat over the same slots."""
+  model = nnx.merge(graphdef, state)
+  hidden, cache, used = model(tokens, cache.chain_positions(tokens.shape[1]), cache, plan,
+                              backend)
+  return cache, jnp.argmax(model.logits(hidden), -1), used
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=3)
+def _verify_passes(graphdef, state, tokens, cache, plan, backend, n):
+  """n passes in one program (a loop, as the engine's rounds run: no host time between them);
+  returns the cache, the last pass's argmax tokens and selections."""
+  def body(_, carry):
+    return _verify_pass(graphdef, state, tokens, carry[0], plan, backend)
+  # The carry starts from zeros of the pass's outputs: one copy of the model in the program.
+  shapes = jax.eval_shape(lambda *a: _verify_pass(graphdef, *a, backend), state, tokens, cache,
+                          plan)
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[1:])
+  return jax.lax.fori_loop(0, n, body, (cache, *zeros))
+
+
+def random_nsa_cache(cfg: ModelConfig, batch: int, context: int, capacity: int, dtype,
+                     seed: int = 0) -> KVCache:
+  """A cache holding `context` tokens of random K/V per sequence, raw and compressed."""
+  cache = KVCache.create(cfg, batch, capacity, dtype)
+  keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 * cfg.num_layers))
+  normal = jax.jit(lambda key, shape: jax.random.normal(key, shape, dtype), static_argnums=1)
+  fill = lambda bufs: tuple(normal(next(keys), x.shape) for x in bufs)
+  return cache.replace(k=fill(cache.k), v=fill(cache.v), ck=fill(cache.ck), cv=fill(cache.cv),
+                       lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def verify_eval(v: dict, model: Transformer, dtype, backend: str) -> dict:
+  """The verify evaluation (module docstring): per context and T, each schedule's pass time, its
+  verification-side speedup over the autoregressive step at each acceptance label, and the
+  adjacent-row overlap of the per-query selections."""
+  cfg = model.cfg
+  graphdef, state = nnx.split(model)
+  group, batch, reps = v["verify_group"], v["verify_batch"], v["verify_reps"]
+  rng = np.random.default_rng(0)
+  rows = []
+
+  def timed(tokens, cache, plan):
+    """(median seconds a pass over reps calls of PASSES passes each, the cache back, the
+    selections of the last pass)."""
+    cache, out, used = _verify_passes(graphdef, state, tokens, cache, plan, backend, PASSES)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      cache, out, used = _verify_passes(graphdef, state, tokens, cache, plan, backend, PASSES)
+      jax.block_until_ready(out)
+      times.append((time.perf_counter() - t0) / PASSES)
+    return float(np.median(times)), cache, used
+
+  cases = [(c, t) for c in v["verify_contexts"] for t in [1] + v["verify_rows"]]
+  bar = tqdm(total=sum(1 if t == 1 else len(verify_schedules(t, group, cfg.num_layers))
+                       for _, t in cases), desc="verify passes", unit="schedule", file=sys.stderr)
+  for context in v["verify_contexts"]:
+    cache = random_nsa_cache(cfg, batch, context, se.capacity_for(context + max(v["verify_rows"])),
+                             dtype)
+    token_sets = {t: jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t)), jnp.int32)
+                  for t in [1] + v["verify_rows"]}
+    t_ar, cache, _ = timed(token_sets[1], cache, NSA())
+    bar.update()
+    for t in v["verify_rows"]:
+      row = dict(context=context, rows=t, batch=batch, ar_us=round(t_ar * 1e6, 1))
+      for name, plan, lossless in verify_schedules(t, group, cfg.num_layers):
+        collect = name == "per_query"
+        plan = dataclasses.replace(plan, collect=collect)
+        sec, cache, used = timed(token_sets[t], cache, plan)
+        entry = dict(us=round(sec * 1e6, 1), lossless=lossless,
+                     over_per_query=None, speedup_over_ar={}, draft_budget_us={})
+        for a in v["verify_acceptance"]:
+          e = accepted_per_round(a, t)
+          entry["speedup_over_ar"][str(a)] = round(e * t_ar / sec, 3)
+          entry["draft_budget_us"][str(a)] = round(max(0.0, e * t_ar - sec) / (t - 1) * 1e6, 1)
+        if collect:
+          positions = np.arange(context, context + t)
+          stats = overlap_stats(np.asarray(used[:, 0]), positions, cfg.nsa, (group,))
+          row["overlap"] = {k: round(float(np.nanmean(x)), 4) for k, x in stats.items()}
+        row[name] = entry
+        bar.update()
+      for name, *_ in verify_schedules(t, group, cfg.num_layers):
+        row[name]["over_per_query"] = round(row["per_query"]["us"] / row[name]["us"], 3)
+      if v["verify_profile"] and backend == "pallas":
+        row["profile"] = {}
+        for name, rows_, plan in (("ar", 1, NSA()), ("per_query", t, NSA()),
+                                  (f"merged_{group}", t, NSA(group=group))):
+          box = [cache]
+
+          def one_pass(rows_=rows_, plan=plan):
+            box[0], out, _ = _verify_passes(graphdef, state, token_sets[rows_], box[0], plan,
+                                            backend, 1)
+            return out
+          row["profile"][name] = kernel_table(one_pass, top=14)
+          cache = box[0]
+      rows.append(row)
+    del cache
+  bar.close()
+  return dict(model=dataclasses.asdict(cfg), backend=backend, group=group, batch=batch,
+              acceptance=v["verify_acceptance"], rows=rows)
+
+
+def plot_verify(result: dict, out: str, title: str) -> str:
+  """Verification-side speedup over autoregressive NSA decoding against the acceptance label,
+  one panel per (context, T), one line per schedule."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = result["rows"]
+  fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.6), squeeze=False)
+  acc = result["acceptance"]
+  for ax, row in zip(axes[0], rows):
+    for name in [k for k in row if isinstance(row[k], dict) and "speedup_over_ar" in row[k]]:
+      ax.plot(acc, [row[name]["speedup_over_ar"][str(a)] for a in acc], marker=".",
+              linestyle="-" if row[name]["lossless"] else "--", label=name)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_title(f"{row['context']} tokens, T = {row['rows']}", fontsize=9)
+    ax.set_xlabel("per-token acceptance (label)")
+  axes[0][0].set_ylabel("verification side x AR NSA (drafting not counted)")
+  axes[0][0].legend(fontsize=6)
+  fig.suptitle(title, fontsize=9)
+  path = f"{os.path.splitext(out)[0]}_verify.png"
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+# ----------------------------------------------------------------------------------------------
 # The program
 
 def load(spec: str | None, random: bool, dtype) -> tuple[Transformer, object, str]:
@@ -467,9 +683,10 @@ def load(spec: str | None, random: bool, dtype) -> tuple[Transformer, object, st
 
 
 def evaluate(model: Transformer | None, tokenizer, name: str | None, v: dict, out: str,
-             dtype) -> dict:
+             dtype, tiny: bool = False) -> dict:
   """Run the evaluations `v` asks for and write the JSON (PNGs beside it). The model is needed
-  for overlap only."""
+  for overlap only; verify builds its own random one (`tiny`: the smoke run's TINY shape instead
+  of VERIFY_MODEL)."""
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   settings = dict(dtype=jnp.dtype(dtype).name, device=device_name(), commit=git_commit(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -489,6 +706,17 @@ def evaluate(model: Transformer | None, tokenizer, name: str | None, v: dict, ou
     result["kernel"] = kernel_eval(v, dtype, interpret)
     label = "interpret mode: times mean nothing" if interpret else device_name()
     result["pngs"].append(plot_kernel(result["kernel"], out, f"SSV kernels ({label})"))
+  if "verify" in v["evals"]:
+    backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+    vm = init_random(TINY if tiny else VERIFY_MODEL, dtype=dtype)
+    settings.update({k: v[k] for k in ("verify_contexts", "verify_rows", "verify_group",
+                                       "verify_batch", "verify_acceptance", "verify_reps",
+                                       "verify_profile")})
+    result["verify"] = verify_eval(v, vm, dtype, backend)
+    label = device_name() if backend == "pallas" else "reference on the CPU: times mean nothing"
+    result["pngs"].append(plot_verify(result["verify"], out, "SSV verification stage, random "
+                                      f"weights, acceptance as labelled ({label})"))
+    del vm
   write_json(out, result)
   for r in result.get("overlap", []):
     print(f"{r['context']:>6} tokens: " + "  ".join(f"{k} {x:.3f}" for k, x in r["mean"].items()))
@@ -498,6 +726,12 @@ def evaluate(model: Transformer | None, tokenizer, name: str | None, v: dict, ou
           f"{r['splits']}: per-query "
           f"{r['per_query']['us']:.1f} us ({r['per_query'].get('time_over_floor')}x floor); "
           + ", ".join(f"{k} {x:.2f}x" for k, x in best.items()))
+  for r in result.get("verify", {}).get("rows", []):
+    a = str(result["verify"]["acceptance"][-1])
+    print(f"{r['context']:>6} tokens T={r['rows']:>3}: AR {r['ar_us']:.0f} us; " + ", ".join(
+        f"{k} {x['us']:.0f} us ({x['over_per_query']:.2f}x, {x['speedup_over_ar'][a]:.2f}x AR "
+        f"at a={a})" for k, x in r.items() if isinstance(x, dict) and "us" in x)
+        + f"; adjacent overlap {r['overlap']['adjacent']:.2f}")
   print(f"wrote {out}")
   return result
 
@@ -515,7 +749,7 @@ def main(argv):
   except (OSError, ValueError) as e:
     cli.fail(PROG, str(e))
   try:
-    evaluate(model, tokenizer, name, v, FLAGS.out, dtype)
+    evaluate(model, tokenizer, name, v, FLAGS.out, dtype, tiny=FLAGS.random)
   except (OSError, ValueError) as e:
     cli.fail(PROG, str(e))
 

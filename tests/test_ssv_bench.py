@@ -61,7 +61,9 @@ def test_read_bytes_count_shared_blocks_once():
 
 FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2", "4"],
              kernel_rows=["8"], kernel_overlaps=["3"], kernel_context="4K", kernel_shape="4/2/16",
-             kernel_batch=1, kernel_splits=["auto"], copy_bytes=1 << 20)
+             kernel_batch=1, kernel_splits=["auto"], copy_bytes=1 << 20,
+             verify_contexts=["16K"], verify_rows=["8"], verify_group=4, verify_batch=1,
+             verify_acceptance=["0.8"], verify_reps=5, verify_profile=False)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -71,7 +73,11 @@ FLAGS = dict(evals=["overlap"], contexts=["1K"], passages=1, rows=16, groups=["2
     (dict(kernel_overlaps=["16"]), "--kernel_overlaps"), (dict(kernel_rows=["1"]), "--kernel_rows"),
     (dict(kernel_shape="6/4/16"), "--kernel_shape"), (dict(kernel_context="1K"), "at least 2304"),
     (dict(copy_bytes=10), "--copy_bytes"), (dict(kernel_batch=0), "--kernel_batch"),
-    (dict(kernel_splits=["0"]), "--kernel_splits"), (dict(kernel_splits=[]), "--kernel_splits")])
+    (dict(kernel_splits=["0"]), "--kernel_splits"), (dict(kernel_splits=[]), "--kernel_splits"),
+    (dict(verify_rows=["1"]), "--verify_rows"), (dict(verify_contexts=["x"]), "--verify_contexts"),
+    (dict(verify_group=16), "--verify_group"), (dict(verify_group=1), "--verify_group"),
+    (dict(verify_batch=0), "--verify_batch"), (dict(verify_acceptance=["1"]), "--verify_acceptance"),
+    (dict(verify_acceptance=["high"]), "--verify_acceptance")])
 def test_bad_flags_are_one_line_errors(change, message):
   with pytest.raises(ValueError, match=re.escape(message)) as e:
     bench.parse_flags(dict(FLAGS, **change))
@@ -120,6 +126,44 @@ def test_kernel_smoke_run(tmp_path):
   assert [row[k]["splits"] for k in ("per_query", "merged_2", "merged_4")] == [16, 16, 16]
   assert data["rows"][3]["merged_4"]["splits"] == 2
   assert (tmp_path / "k_kernel.png").is_file()
+
+
+def test_accepted_per_round_is_the_expected_tokens_of_a_chain():
+  """1 + a + ... + a^(T-1): simulated rounds of T rows (T - 1 drafts, each accepted with
+  probability a until the first rejection, plus the verifier's token) agree."""
+  rng = np.random.default_rng(0)
+  for a, t in ((0.6, 2), (0.8, 8), (0.9, 16)):
+    accepted = (rng.random((200_000, t - 1)) < a).cumprod(axis=1).sum(axis=1) + 1
+    assert bench.accepted_per_round(a, t) == pytest.approx(sum(a ** i for i in range(t)))
+    assert accepted.mean() == pytest.approx(bench.accepted_per_round(a, t), rel=0.01)
+
+
+def test_verify_smoke_run(tmp_path):
+  """The verification stage on the tiny random NSA model through the reference attention (times
+  mean nothing): every schedule's row, and the speedups follow from the times as documented."""
+  out = tmp_path / "v.json"
+  res = subprocess.run([sys.executable, "-m", "benchmarks.ssv", "--random", "--evals=verify",
+                        "--verify_contexts=300", "--verify_rows=4", "--verify_group=2",
+                        "--verify_acceptance=0.5,0.9", "--verify_reps=1", "--dtype=float32",
+                        f"--out={out}"], capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-2000:]
+  data = json.loads(out.read_text())["verify"]
+  assert data["backend"] == "reference" and data["model"]["num_layers"] == bench.TINY.num_layers
+  (row,) = data["rows"]
+  assert (row["context"], row["rows"], row["batch"]) == (300, 4, 1)
+  names = [n for n, _, _ in bench.verify_schedules(4, 2, bench.TINY.num_layers)]
+  assert names == ["per_query", "merged_2", "shared_2", "reuse", "shared_2_reuse"]
+  assert [row[n]["lossless"] for n in names] == [True, True, False, False, False]
+  assert row["per_query"]["over_per_query"] == 1.0
+  for n in names:
+    x = row[n]
+    for a in ("0.5", "0.9"):
+      e = bench.accepted_per_round(float(a), 4)
+      assert x["speedup_over_ar"][a] == pytest.approx(e * row["ar_us"] / x["us"], rel=0.01)
+      budget = max(0.0, e * row["ar_us"] - x["us"]) / 3
+      assert x["draft_budget_us"][a] == pytest.approx(budget, rel=0.01, abs=0.2)
+  assert 0 <= row["overlap"]["adjacent"] <= 1 and 1 <= row["overlap"]["union_2"] <= 2
+  assert (tmp_path / "v_verify.png").is_file()
 
 
 def test_a_missing_model_is_a_one_line_error(tmp_path):
