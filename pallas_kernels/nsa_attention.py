@@ -23,7 +23,13 @@ Two launches per layer, as SSV's refresh layers run (Section 5.1 of ../shared/pa
                      `select_tile` selection blocks takes the compressed blocks overlapping it and
                      one product p [M, bc] @ overlap [bc, select_tile] (0/1, exact in float32);
                      the tiles past every row's own block are written as zeros without a read.
-                     The G heads of a row are summed in XLA (a [T, G, NB] sum).
+                     The G heads of a row are summed in XLA (a [T, G, NB] sum). One program per
+                     (sequence, KV head, row tile) is 8 programs for one sequence of a model with
+                     8 KV heads, far from filling 132 SMs; so while those programs do not fill
+                     the SMs a chain runs this launch as two (`compressed_splits`): the key tiles
+                     split in shares over programs, each writing its unnormalised online-softmax
+                     state, merged in XLA as flash-decoding's splits are; then the importance
+                     tiles split in shares, each program reading the merged max and sum.
   top-n              `nsa.select_blocks`, the reference's own lax.top_k over [B, T, Hkv, NB]
                      in XLA: NB = S / l' blocks a row (2048 at 128K and l' = 64), little next to
                      the attention's reads, and `topk_select` does not fit (a per-row k of token
@@ -94,6 +100,7 @@ from pallas_kernels import online_softmax
 from pallas_kernels.online_softmax import LOG2E, NEG_INF, pow2_rows
 
 _BIG = np.iinfo(np.int32).max     # sorts after every block index
+_SMS = 132                        # an H100's or H200's streaming multiprocessors
 
 
 def _check(q, k, v, lengths):
@@ -155,6 +162,74 @@ def _fold_column(state, s, v):
   return acc * alpha[:, None] + p[:, None] * v, m_new, l_i * alpha + p
 
 
+def _chain_end(pos, length, c_total: int, cfg: NSAConfig, num_path: int):
+  """The compressed blocks a program reads: those ending at or before its last row (a tree's
+  rows: the committed ones, those ending before the new rows)."""
+  l, d = cfg.compress_block, cfg.compress_stride
+  if num_path:
+    c_end = jnp.maximum(length - l + d, 0) // d
+  else:
+    c_end = jnp.maximum(jnp.max(pos) - l + 1 + d, 0) // d
+  return jnp.minimum(c_end, c_total)
+
+
+def _logits(q, ck_ref, pos, c_end, c0, size: int, qk_scale: float, cfg: NSAConfig,
+            num_path: int):
+  """(the block indices c0 .. c0 + size - 1, their base-2 logits [M, size], -inf where a row does
+  not see the block)."""
+  l, d = cfg.compress_block, cfg.compress_stride
+  cols = c0 + jnp.arange(size)
+  k = plgpu.load(ck_ref.at[pl.ds(c0, size), :], mask=(cols < c_end)[:, None], other=0.)
+  s = online_softmax.dot_t(q, k) * qk_scale
+  live = (cols < c_end)[None, :]
+  if num_path:
+    visible = live & (cols < ck_ref.shape[0])[None, :]
+  else:
+    visible = live & ((cols * d + l - 1)[None, :] <= pos[:, None])
+  return cols, jnp.where(visible, s, NEG_INF)
+
+
+def _importance_tiles(imp_ref, logits, pos, m_i, inv, lo, hi, *, cfg: NSAConfig,
+                      select_tile: int, block_i: int, path=None):
+  """Importance tiles lo .. hi - 1 (select_tile selection blocks each) of imp_ref [M, NB]: each
+  row's probability mass per selection block from its final max m_i and 1 / sum inv. A tile takes
+  the compressed blocks overlapping it (c*d + l > j0*l' and c*d < (j0 + select_tile)*l') and one
+  product p [M, bc] @ overlap [bc, select_tile] (0/1, exact in float32); tiles past every row's
+  own block are written as zeros without a read. path: (pblk_ref, the path columns' logits)."""
+  l, d, ls = cfg.compress_block, cfg.compress_stride, cfg.select_block
+  m_rows, nb = imp_ref.shape
+
+  def chunk(ci, _):
+    j0 = ci * select_tile
+    js = j0 + jnp.arange(select_tile)
+    c_lo = jnp.maximum(j0 * ls - l + d, 0) // d
+    cols, s = logits(c_lo, block_i)
+    p = jnp.exp2(s - m_i[:, None]) * inv[:, None]
+    start = (cols * d)[:, None]
+    overlap = ((start < ((js + 1) * ls)[None, :]) & (start + l > (js * ls)[None, :]))
+    imp = jax.lax.dot_general(p, overlap.astype(jnp.float32), (((1,), (0,)), ((), ())),
+                              precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+    if path is not None:
+      pblk_ref, path_s = path
+      for e, ps in enumerate(path_s):
+        first = pblk_ref[e] * d
+        over = ((first < (js + 1) * ls) & (first + l > js * ls)).astype(jnp.float32)
+        imp = imp + (jnp.exp2(ps - m_i) * inv)[:, None] * over[None, :]
+    plgpu.store(imp_ref.at[:, pl.ds(j0, select_tile)], imp, mask=(js < nb)[None, :])
+    return _
+
+  def zeros(ci, _):
+    js = ci * select_tile + jnp.arange(select_tile)
+    plgpu.store(imp_ref.at[:, pl.ds(ci * select_tile, select_tile)],
+                jnp.zeros((m_rows, select_tile), jnp.float32), mask=(js < nb)[None, :])
+    return _
+
+  n_live = jnp.minimum(pl.cdiv(jnp.max(pos) // ls + 1, select_tile), pl.cdiv(nb, select_tile))
+  jax.lax.fori_loop(lo, jnp.minimum(hi, n_live), chunk, 0)
+  jax.lax.fori_loop(jnp.maximum(lo, n_live), hi, zeros, 0)
+
+
 def _compressed_kernel(len_ref, pos_ref, q_ref, ck_ref, cv_ref, *refs, sm_scale: float,
                        cfg: NSAConfig, block_c: int, select_tile: int, block_i: int,
                        num_path: int, importance: bool):
@@ -171,31 +246,13 @@ def _compressed_kernel(len_ref, pos_ref, q_ref, ck_ref, cv_ref, *refs, sm_scale:
   o_ref, *refs = refs
   imp_ref = refs[0] if importance else None
   l, d = cfg.compress_block, cfg.compress_stride
-  ls = cfg.select_block
-  c_total = ck_ref.shape[0]
   m_rows = q_ref.shape[0]
-  length = len_ref[()]
   pos = pos_ref[...]
   q = q_ref[...]
   qk_scale = sm_scale * LOG2E
-  if num_path:
-    # Committed blocks only (those ending before the new rows); the rest come from the path.
-    c_end = jnp.maximum(length - l + d, 0) // d
-  else:
-    c_end = jnp.maximum(jnp.max(pos) - l + 1 + d, 0) // d      # blocks ending at or before a row
-  c_end = jnp.minimum(c_end, c_total)
-
-  def visible(cols):
-    live = cols < c_end
-    if num_path:
-      return live[None, :] & (cols < c_total)[None, :]
-    return live[None, :] & ((cols * d + l - 1)[None, :] <= pos[:, None])
-
-  def logits(c0, size):
-    cols = c0 + jnp.arange(size)
-    k = plgpu.load(ck_ref.at[pl.ds(c0, size), :], mask=(cols < c_end)[:, None], other=0.)
-    s = online_softmax.dot_t(q, k) * qk_scale
-    return cols, jnp.where(visible(cols), s, NEG_INF)
+  c_end = _chain_end(pos, len_ref[()], ck_ref.shape[0], cfg, num_path)
+  logits = functools.partial(_logits, q, ck_ref, pos, c_end, qk_scale=qk_scale, cfg=cfg,
+                             num_path=num_path)
 
   def step(i, state):
     c0 = i * block_c
@@ -215,42 +272,51 @@ def _compressed_kernel(len_ref, pos_ref, q_ref, ck_ref, cv_ref, *refs, sm_scale:
   acc, m_i, l_i = state
   inv = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
   o_ref[...] = acc * inv[:, None]
-  if not importance:
-    return
+  if importance:
+    _importance_tiles(imp_ref, logits, pos, m_i, inv, 0, pl.cdiv(imp_ref.shape[1], select_tile),
+                      cfg=cfg, select_tile=select_tile, block_i=block_i,
+                      path=(pblk_ref, path_s) if num_path else None)
 
-  nb = imp_ref.shape[1]
 
-  def chunk(ci, _):
-    # Selection blocks j0 .. j0 + select_tile - 1, from the compressed blocks overlapping them
-    # (c*d + l > j0*l' and c*d < (j0 + select_tile)*l'), probabilities from the final max/sum.
-    j0 = ci * select_tile
-    js = j0 + jnp.arange(select_tile)
-    c_lo = jnp.maximum(j0 * ls - l + d, 0) // d
-    cols, s = logits(c_lo, block_i)
-    p = jnp.exp2(s - m_i[:, None]) * inv[:, None]
-    start = (cols * d)[:, None]
-    overlap = ((start < ((js + 1) * ls)[None, :]) & (start + l > (js * ls)[None, :]))
-    imp = jax.lax.dot_general(p, overlap.astype(jnp.float32), (((1,), (0,)), ((), ())),
-                              precision=jax.lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32)
-    for e in range(num_path):
-      first = pblk_ref[e] * d
-      over = ((first < (js + 1) * ls) & (first + l > js * ls)).astype(jnp.float32)
-      imp = imp + (jnp.exp2(path_s[e] - m_i) * inv)[:, None] * over[None, :]
-    plgpu.store(imp_ref.at[:, pl.ds(j0, select_tile)], imp, mask=(js < nb)[None, :])
-    return _
+def _compressed_split_kernel(pos_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l_ref, *,
+                             sm_scale: float, cfg: NSAConfig, block_c: int, num_splits: int):
+  # A chain's compressed branch, share s = program_id(2) of the key tiles: the unnormalised
+  # online-softmax state (acc [M, D], m [M], l [M]) of those tiles, merged in XLA as
+  # flash-decoding's splits are.
+  pos = pos_ref[...]
+  q = q_ref[...]
+  c_end = _chain_end(pos, None, ck_ref.shape[0], cfg, 0)
+  n_tiles = pl.cdiv(c_end, block_c)
+  per = pl.cdiv(n_tiles, num_splits)
+  lo = pl.program_id(2) * per
 
-  def zeros(ci, _):
-    js = ci * select_tile + jnp.arange(select_tile)
-    plgpu.store(imp_ref.at[:, pl.ds(ci * select_tile, select_tile)],
-                jnp.zeros((m_rows, select_tile), jnp.float32), mask=(js < nb)[None, :])
-    return _
+  def step(i, state):
+    c0 = i * block_c
+    cols, s = _logits(q, ck_ref, pos, c_end, c0, block_c, sm_scale * LOG2E, cfg, 0)
+    v = plgpu.load(cv_ref.at[pl.ds(c0, block_c), :], mask=(cols < c_end)[:, None], other=0.)
+    return online_softmax.update(state, s, v)
 
-  # The selection blocks past every row's own get no mass: zeros, without reading the cache.
-  n_chunks = pl.cdiv(nb, select_tile)
-  n_live = jnp.minimum(pl.cdiv(jnp.max(pos) // ls + 1, select_tile), n_chunks)
-  jax.lax.fori_loop(0, n_live, chunk, 0)
-  jax.lax.fori_loop(n_live, n_chunks, zeros, 0)
+  acc, m_i, l_i = jax.lax.fori_loop(lo, jnp.minimum(lo + per, n_tiles), step,
+                                    online_softmax.init(q.shape[0], q.shape[1]))
+  o_ref[...] = acc
+  m_ref[...] = m_i
+  l_ref[...] = l_i
+
+
+def _importance_split_kernel(pos_ref, q_ref, ck_ref, m_ref, inv_ref, imp_ref, *, sm_scale: float,
+                             cfg: NSAConfig, select_tile: int, block_i: int, num_splits: int):
+  # A chain's importance, share s = program_id(2) of the tiles, from the merged max and sum.
+  pos = pos_ref[...]
+  q = q_ref[...]
+  c_end = _chain_end(pos, None, ck_ref.shape[0], cfg, 0)
+  logits = functools.partial(_logits, q, ck_ref, pos, c_end, qk_scale=sm_scale * LOG2E, cfg=cfg,
+                             num_path=0)
+  n_chunks = pl.cdiv(imp_ref.shape[1], select_tile)
+  per = pl.cdiv(n_chunks, num_splits)
+  lo = pl.program_id(2) * per
+  _importance_tiles(imp_ref, logits, pos, m_ref[...], inv_ref[...], lo,
+                    jnp.minimum(lo + per, n_chunks), cfg=cfg, select_tile=select_tile,
+                    block_i=block_i)
 
 
 def _compressed_unbatched(length, pos, q, ck, cv, path=None, *, sm_scale, cfg, num_blocks,
@@ -295,14 +361,76 @@ def _compressed_unbatched(length, pos, q, ck, cv, path=None, *, sm_scale, cfg, n
   )(*args)
 
 
+def _compressed_split_unbatched(pos, q, ck, cv, *, sm_scale, cfg, num_blocks, block_c,
+                                select_tile, importance, splits, num_warps, num_stages,
+                                interpret):
+  """The chain's compressed branch as two launches, each over `splits` = (key-tile shares,
+  importance-tile shares) programs per (KV head, row tile): pos [NP, M], q [Hkv, NP, M, D], ck/cv
+  [C, Hkv, D] -> o [Hkv, NP, M, D] f32 (and importance [Hkv, NP, M, NB] f32)."""
+  hkv, n_prog, m_rows, d = q.shape
+  c = ck.shape[0]
+  l, st, ls = cfg.compress_block, cfg.compress_stride, cfg.select_block
+  block_i = _pow2((select_tile * ls + l - 2) // st + 1)
+  params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  pos_spec = pl.BlockSpec((None, m_rows), lambda h, i, s: (i, 0))
+  q_spec = pl.BlockSpec((None, None, m_rows, d), lambda h, i, s: (h, i, 0, 0))
+  kv_spec = pl.BlockSpec((c, None, d), lambda h, i, s: (0, h, 0))
+  row_spec = pl.BlockSpec((None, None, None, m_rows), lambda h, i, s: (h, i, s, 0))
+  share_kernel = functools.partial(_compressed_split_kernel, sm_scale=sm_scale, cfg=cfg,
+                                   block_c=block_c, num_splits=splits[0])
+  o, m, l_sum = pl.pallas_call(
+      share_kernel, grid=(hkv, n_prog, splits[0]),
+      in_specs=[pos_spec, q_spec, kv_spec, kv_spec],
+      out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda h, i, s: (h, i, s, 0, 0)),
+                 row_spec, row_spec],
+      out_shape=[jax.ShapeDtypeStruct((hkv, n_prog, splits[0], m_rows, d), jnp.float32),
+                 jax.ShapeDtypeStruct((hkv, n_prog, splits[0], m_rows), jnp.float32),
+                 jax.ShapeDtypeStruct((hkv, n_prog, splits[0], m_rows), jnp.float32)],
+      compiler_params=params, interpret=interpret,
+      name=f"nsa_compressed_m{m_rows}_d{d}_shares")(pos, q, ck, cv)
+  # The shares merged; a row with nothing visible keeps m = MAX_INIT, l = 0 and gets 0, as in
+  # the one-launch kernel.
+  m_max = jnp.max(m, axis=2)
+  w = jnp.exp2(m - m_max[:, :, None])
+  l_sum = jnp.sum(w * l_sum, axis=2)
+  inv = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
+  out = jnp.sum(w[..., None] * o, axis=2) * inv[..., None]
+  if not importance:
+    return (out,)
+  stat_spec = pl.BlockSpec((None, None, m_rows), lambda h, i, s: (h, i, 0))
+  imp_kernel = functools.partial(_importance_split_kernel, sm_scale=sm_scale, cfg=cfg,
+                                 select_tile=select_tile, block_i=block_i, num_splits=splits[1])
+  # Every share writes its own tiles of the row tile's [M, NB] block.
+  imp = pl.pallas_call(
+      imp_kernel, grid=(hkv, n_prog, splits[1]),
+      in_specs=[pos_spec, q_spec, kv_spec, stat_spec, stat_spec],
+      out_specs=pl.BlockSpec((None, None, m_rows, num_blocks), lambda h, i, s: (h, i, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct((hkv, n_prog, m_rows, num_blocks), jnp.float32),
+      compiler_params=params, interpret=interpret,
+      name=f"nsa_importance_m{m_rows}_d{d}_shares")(pos, q, ck, m_max, inv)
+  return out, imp
+
+
+def compressed_splits(pairs: int, c: int, num_blocks: int, block_c: int, select_tile: int
+                      ) -> tuple[int, int]:
+  """(key-tile shares, importance-tile shares) per (sequence, KV head, row tile) for `pairs` of
+  them: one each (the one-launch kernel) once the pairs alone fill the GPU's SMs, else enough for
+  about `online_softmax.DEFAULT_PROGRAMS` programs, at most one a tile."""
+  if pairs >= _SMS:
+    return 1, 1
+  return (online_softmax.default_splits(pairs, pl.cdiv(c, block_c)),
+          online_softmax.default_splits(pairs, pl.cdiv(num_blocks, select_tile)))
+
+
 @functools.partial(jax.jit, static_argnames=(
     "cfg", "num_blocks", "importance", "interpret", "block_rows", "block_c", "select_tile",
-    "num_warps", "num_stages"))
+    "splits", "num_warps", "num_stages"))
 def nsa_compressed(q: jax.Array, ck: jax.Array, cv: jax.Array, lengths: jax.Array,
                    pos: jax.Array, path: tuple[jax.Array, jax.Array, jax.Array] | None = None, *,
                    cfg: NSAConfig, num_blocks: int, importance: bool = True,
                    interpret: bool = False, block_rows: int | None = None, block_c: int = 64,
-                   select_tile: int = 16, num_warps: int = 4, num_stages: int = 2
+                   select_tile: int = 16, splits: tuple[int, int] | None = None,
+                   num_warps: int = 4, num_stages: int = 2
                    ) -> tuple[jax.Array, jax.Array | None]:
   """The compressed branch (`nsa.compressed_attention`'s contract): q [B, T, Hq, D], the
   compressed cache ck/cv [B, C, Hkv, D], lengths [B], the rows' positions pos [B, T]
@@ -312,7 +440,10 @@ def nsa_compressed(q: jax.Array, ck: jax.Array, cv: jax.Array, lengths: jax.Arra
 
   Knobs: `block_rows` rows per program (default: as many as fill 16 packed rows, at most T),
   `block_c` compressed blocks per tile, `select_tile` selection blocks per importance tile (powers
-  of two >= 16), Triton's `num_warps` and `num_stages`."""
+  of two >= 16), `splits` (key-tile shares, importance-tile shares) per program of a chain
+  (default `compressed_splits`: (1, 1), the one-launch kernel, once the (sequence, KV head, row
+  tile) programs fill the SMs; a tree always runs the one-launch kernel), Triton's `num_warps`
+  and `num_stages`."""
   _check(q, ck, cv, lengths)
   for name, value in (("block_c", block_c), ("select_tile", select_tile)):
     if value < 16 or value & (value - 1):
@@ -332,11 +463,23 @@ def nsa_compressed(q: jax.Array, ck: jax.Array, cv: jax.Array, lengths: jax.Arra
     # [B, T, E, Hkv, D] -> [B, Hkv, NP, E, M, D]: a row's path blocks for each of its G heads.
     pack = lambda x: jnp.moveaxis(jnp.moveaxis(x, 3, 1)[:, :, src_t], 4, 3)
     packed_path = (pblk.astype(jnp.int32), pack(pk), pack(pv))
-  outs = jax.vmap(functools.partial(
-      _compressed_unbatched, sm_scale=d ** -0.5, cfg=cfg, num_blocks=num_blocks, block_c=block_c,
-      select_tile=select_tile, importance=importance, num_warps=num_warps,
-      num_stages=num_stages, interpret=interpret))(
-          lengths.astype(jnp.int32), posp, qp, ck, cv, packed_path)
+  if splits is None:
+    splits = compressed_splits(b * hkv * qp.shape[2], ck.shape[1], num_blocks, block_c,
+                               select_tile)
+  if len(splits) != 2 or min(splits) < 1:
+    raise ValueError(f"splits must be two positive counts (key tiles, importance tiles), got "
+                     f"{splits}")
+  if path is None and splits != (1, 1):
+    outs = jax.vmap(functools.partial(
+        _compressed_split_unbatched, sm_scale=d ** -0.5, cfg=cfg, num_blocks=num_blocks,
+        block_c=block_c, select_tile=select_tile, importance=importance, splits=tuple(splits),
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret))(posp, qp, ck, cv)
+  else:
+    outs = jax.vmap(functools.partial(
+        _compressed_unbatched, sm_scale=d ** -0.5, cfg=cfg, num_blocks=num_blocks,
+        block_c=block_c, select_tile=select_tile, importance=importance, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret))(
+            lengths.astype(jnp.int32), posp, qp, ck, cv, packed_path)
   out = _unpack(outs[0], t, g, rows)
   if not importance:
     return out, None

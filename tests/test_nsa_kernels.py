@@ -148,6 +148,49 @@ def test_kernels_match_the_reference(name):
     assert not np.allclose(outs[SHARED, True], outs[1, False])
 
 
+@functools.partial(jax.jit, static_argnames=("splits", "importance"), compiler_options=FAST)
+def compressed_in_shares(q, lens, inputs, *, splits, importance=True):
+  """The chain's compressed kernel with 16-block key tiles (3 tiles at the chain's shapes) in
+  `splits` shares (None: the default for these 16 row tiles)."""
+  lay = nsa.layout(lens, q.shape[1], None)
+  return nk.nsa_compressed(q, inputs.ck, inputs.cv, lens, lay.pos, cfg=NSA_CFG, block_c=16,
+                           num_blocks=nsa.num_select_blocks(S, NSA_CFG), splits=splits,
+                           importance=importance, interpret=INTERPRET)
+
+
+def test_compressed_branch_in_shares_matches_the_reference():
+  """The two-launch form a chain takes when its programs do not fill the GPU: key tiles and
+  importance tiles split over programs, the shares merged in XLA. Output, importance and the
+  selection they give equal the reference's, and the one-launch kernel's to float32 rounding."""
+  q, k, v, lens, inputs, _ = inputs_for("chain", seed=3)
+  lay = nsa.layout(lens, T_CHAIN, None)
+  want_cmp, want_imp = nsa.compressed_attention(q, k, v, inputs, lens, lay, tree=False)
+  want_idx = np.asarray(nsa.select_blocks(want_imp, lay.pos, NSA_CFG))
+  one = compressed_in_shares(q, lens, inputs, splits=(1, 1))
+  for splits in ((3, 2), None):
+    out, imp = compressed_in_shares(q, lens, inputs, splits=splits)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_cmp), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(imp), np.asarray(want_imp), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(nsa.select_blocks(imp, lay.pos, NSA_CFG)), want_idx)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(one[0]), rtol=1e-6, atol=1e-6)
+  out, imp = compressed_in_shares(q, lens, inputs, splits=(3, 2), importance=False)
+  assert imp is None
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_cmp), rtol=1e-5, atol=1e-5)
+
+
+def test_compressed_shares_only_while_the_programs_do_not_fill_the_gpu():
+  # 8 (sequence, KV head, row tile) programs at 16K (1023 blocks, 256 selection blocks): the
+  # default aims at ~528 programs, one a tile at most; 132 programs fill an H100's SMs alone.
+  assert nk.compressed_splits(8, 1023, 256, 64, 16) == (16, 16)
+  assert nk.compressed_splits(64, 1023, 256, 64, 16) == (9, 9)
+  assert nk.compressed_splits(132, 1023, 256, 64, 16) == (1, 1)
+  with pytest.raises(ValueError, match="splits must be two positive counts"):
+    nk.nsa_compressed(jnp.zeros((1, 1, 2, 16)), jnp.zeros((1, 47, 1, 16)),
+                      jnp.zeros((1, 47, 1, 16)), jnp.zeros((1,), jnp.int32),
+                      jnp.zeros((1, 1), jnp.int32), cfg=NSA_CFG, num_blocks=12, splits=(0, 1),
+                      interpret=True)
+
+
 def test_a_block_completed_by_a_draft_is_visible_from_its_last_token_on():
   """Chain rows at 45 .. 52 (the chain layout's shapes): compression block 22 (tokens 44 .. 47)
   is completed by row 2's token. Garbage in that compressed entry changes the kernel's compressed
