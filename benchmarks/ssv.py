@@ -31,11 +31,12 @@ Evaluations (--evals):
             and under the shared index for each --groups G <= T, at each --kernel_splits (the
             programs a branch of each group: `auto` is the kernel's default, the number it chose
             in the JSON; a row per setting, speedups against per-query execution at the same
-            setting); the routing launch with and
-            without the block importance (what a reuse layer skips) and the top-n. Each time
-            against its floor, the bytes it must read over the device's copy rate measured in
-            the same run (`benchmarks.common.copy_ceiling`): achieved GB/s and time / floor; and
-            each schedule's speedup over per-query execution. Timed on a GPU, 8 calls chained in
+            setting); the routing launch with and without the block importance (what a reuse
+            layer skips), the routing in one launch (`splits=(1, 1)`, against the default
+            two-launch form at small batch) and the top-n. Each time against its floor, the
+            bytes it must read over the device's copy rate measured in the same run
+            (`benchmarks.common.copy_ceiling`): achieved GB/s and time / floor; and each
+            schedule's speedup over per-query execution. Timed on a GPU, 8 calls chained in
             one program (`benchmarks.common.time_chain`: no per-call dispatch), rotating through
             4 copies of the caches so that no call finds the blocks the call before it read in
             L2; on a CPU the kernels run in interpret mode and the times mean nothing.
@@ -445,6 +446,7 @@ def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
                                      interpret=interpret)
       routing_args = [(q, ck, cv, lengths, pos) for _, _, ck, cv in caches]
       routing = timed(compressed, routing_args)
+      routing_one_launch = timed(functools.partial(compressed, splits=(1, 1)), routing_args)
       reuse = timed(functools.partial(compressed, importance=False), routing_args)
       importance = compressed(*routing_args[0])[1]
       top_n = timed(lambda imp: select(imp, pos, cfg), [(importance,)])
@@ -469,7 +471,8 @@ def kernel_eval(v: dict, dtype, interpret: bool) -> dict:
           per_query = dict(timed(*fused(1, False, splits), nbytes(idx, 1, False)),
                            splits=chosen(1, splits))
           row = dict(rows=t, overlap=overlap, splits=splits or "auto", per_query=per_query,
-                     routing=routing, routing_without_importance=reuse, top_n=top_n)
+                     routing=routing, routing_one_launch=routing_one_launch,
+                     routing_without_importance=reuse, top_n=top_n)
           for g in [g for g in v["groups"] if g <= t]:
             merged = dict(timed(*fused(g, False, splits), nbytes(idx, g, False)),
                           splits=chosen(g, splits))

@@ -162,9 +162,10 @@ def _fold_column(state, s, v):
   return acc * alpha[:, None] + p[:, None] * v, m_new, l_i * alpha + p
 
 
-def _chain_end(pos, length, c_total: int, cfg: NSAConfig, num_path: int):
-  """The compressed blocks a program reads: those ending at or before its last row (a tree's
-  rows: the committed ones, those ending before the new rows)."""
+def _compressed_end(pos, length, c_total: int, cfg: NSAConfig, num_path: int):
+  """The end of the compressed blocks a program reads: for a chain those ending at or before its
+  last row, for a tree (num_path > 0) the committed ones, ending before the new rows (the rest
+  come from each row's path)."""
   l, d = cfg.compress_block, cfg.compress_stride
   if num_path:
     c_end = jnp.maximum(length - l + d, 0) // d
@@ -250,7 +251,7 @@ def _compressed_kernel(len_ref, pos_ref, q_ref, ck_ref, cv_ref, *refs, sm_scale:
   pos = pos_ref[...]
   q = q_ref[...]
   qk_scale = sm_scale * LOG2E
-  c_end = _chain_end(pos, len_ref[()], ck_ref.shape[0], cfg, num_path)
+  c_end = _compressed_end(pos, len_ref[()], ck_ref.shape[0], cfg, num_path)
   logits = functools.partial(_logits, q, ck_ref, pos, c_end, qk_scale=qk_scale, cfg=cfg,
                              num_path=num_path)
 
@@ -285,7 +286,7 @@ def _compressed_split_kernel(pos_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l_ref
   # flash-decoding's splits are.
   pos = pos_ref[...]
   q = q_ref[...]
-  c_end = _chain_end(pos, None, ck_ref.shape[0], cfg, 0)
+  c_end = _compressed_end(pos, None, ck_ref.shape[0], cfg, 0)
   n_tiles = pl.cdiv(c_end, block_c)
   per = pl.cdiv(n_tiles, num_splits)
   lo = pl.program_id(2) * per
@@ -308,7 +309,7 @@ def _importance_split_kernel(pos_ref, q_ref, ck_ref, m_ref, inv_ref, imp_ref, *,
   # A chain's importance, share s = program_id(2) of the tiles, from the merged max and sum.
   pos = pos_ref[...]
   q = q_ref[...]
-  c_end = _chain_end(pos, None, ck_ref.shape[0], cfg, 0)
+  c_end = _compressed_end(pos, None, ck_ref.shape[0], cfg, 0)
   logits = functools.partial(_logits, q, ck_ref, pos, c_end, qk_scale=sm_scale * LOG2E, cfg=cfg,
                              num_path=0)
   n_chunks = pl.cdiv(imp_ref.shape[1], select_tile)

@@ -119,7 +119,7 @@ def test_kernel_smoke_run(tmp_path):
                                                                  (14, 2)]
   row = data["rows"][2]
   assert {"per_query", "merged_2", "shared_2", "merged_4", "shared_4", "routing",
-          "routing_without_importance", "top_n"} <= set(row)
+          "routing_one_launch", "routing_without_importance", "top_n"} <= set(row)
   assert row["merged_4"]["bytes"] < row["merged_2"]["bytes"] < row["per_query"]["bytes"]
   # auto: about DEFAULT_PROGRAMS programs (2 sequences x 2 KV heads x groups x 2 branches), at
   # most n = 16 shares; the explicit setting as given.
