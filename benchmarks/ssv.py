@@ -64,7 +64,9 @@ Evaluations (--evals):
 There are no trained NSA weights here: `nsa:SPEC` is SPEC's dense model NSA-ified training-free
 (`jaxspec.model.nsaify`: mean-pooled compression, fixed gates), a degraded model whose selections
 stand in for a trained one's. --random is a tiny random NSA model on bytes: its numbers mean
-nothing. JSON to --out, PNGs beside it.
+nothing. JSON to --out, PNGs beside it; the JSON is rewritten after each evaluation and each
+verify row with "partial": true, so that a run cut short keeps what it measured, and once more
+without it at the end.
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ import functools
 import os
 import sys
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -570,10 +573,12 @@ def random_nsa_cache(cfg: ModelConfig, batch: int, context: int, capacity: int, 
                        lengths=jnp.full((batch,), context, jnp.int32))
 
 
-def verify_eval(v: dict, model: Transformer, dtype, backend: str) -> dict:
+def verify_eval(v: dict, model: Transformer, dtype, backend: str,
+                on_row: Callable[[dict], None] | None = None) -> dict:
   """The verify evaluation (module docstring): per context and T, each schedule's pass time, its
   verification-side speedup over the autoregressive step at each acceptance label, and the
-  adjacent-row overlap of the per-query selections."""
+  adjacent-row overlap of the per-query selections. on_row: called with the result so far after
+  each row (the caller writes it, so that a run cut short keeps its rows)."""
   cfg = model.cfg
   graphdef, state = nnx.split(model)
   group, batch, reps = v["verify_group"], v["verify_batch"], v["verify_reps"]
@@ -592,6 +597,10 @@ def verify_eval(v: dict, model: Transformer, dtype, backend: str) -> dict:
       jax.block_until_ready(out)
       times.append((time.perf_counter() - t0) / PASSES)
     return float(np.median(times)), cache, used
+
+  def summary():
+    return dict(model=dataclasses.asdict(cfg), backend=backend, group=group, batch=batch,
+                acceptance=v["verify_acceptance"], rows=list(rows))
 
   cases = [(c, t) for c in v["verify_contexts"] for t in [1] + v["verify_rows"]]
   bar = tqdm(total=sum(1 if t == 1 else len(verify_schedules(t, group, cfg.num_layers))
@@ -636,10 +645,11 @@ def verify_eval(v: dict, model: Transformer, dtype, backend: str) -> dict:
           row["profile"][name] = kernel_table(one_pass, top=14)
           cache = box[0]
       rows.append(row)
+      if on_row is not None:
+        on_row(summary())
     del cache
   bar.close()
-  return dict(model=dataclasses.asdict(cfg), backend=backend, group=group, batch=batch,
-              acceptance=v["verify_acceptance"], rows=rows)
+  return summary()
 
 
 def plot_verify(result: dict, out: str, title: str) -> str:
@@ -704,18 +714,22 @@ def evaluate(model: Transformer | None, tokenizer, name: str | None, v: dict, ou
                     **{k: v[k] for k in ("contexts", "passages", "rows")})
     result["overlap"] = overlap(model, tokens, v, dtype)
     result["pngs"] += plot_overlap(result["overlap"], out, name)
+    write_json(out, dict(result, partial=True))     # kept if a later evaluation is cut short
   if "kernel" in v["evals"]:
     interpret = jax.default_backend() != "gpu"
     result["kernel"] = kernel_eval(v, dtype, interpret)
     label = "interpret mode: times mean nothing" if interpret else device_name()
     result["pngs"].append(plot_kernel(result["kernel"], out, f"SSV kernels ({label})"))
+    write_json(out, dict(result, partial=True))
   if "verify" in v["evals"]:
     backend = "pallas" if jax.default_backend() == "gpu" else "reference"
     vm = init_random(TINY if tiny else VERIFY_MODEL, dtype=dtype)
     settings.update({k: v[k] for k in ("verify_contexts", "verify_rows", "verify_group",
                                        "verify_batch", "verify_acceptance", "verify_reps",
                                        "verify_profile")})
-    result["verify"] = verify_eval(v, vm, dtype, backend)
+    result["verify"] = verify_eval(
+        v, vm, dtype, backend,
+        on_row=lambda rows: write_json(out, dict(result, verify=rows, partial=True)))
     label = device_name() if backend == "pallas" else "reference on the CPU: times mean nothing"
     result["pngs"].append(plot_verify(result["verify"], out, "SSV verification stage, random "
                                       f"weights, acceptance as labelled ({label})"))

@@ -147,7 +147,9 @@ def test_verify_smoke_run(tmp_path):
                         "--verify_acceptance=0.5,0.9", "--verify_reps=1", "--dtype=float32",
                         f"--out={out}"], capture_output=True, text=True, timeout=600)
   assert res.returncode == 0, res.stderr[-2000:]
-  data = json.loads(out.read_text())["verify"]
+  whole = json.loads(out.read_text())
+  assert "partial" not in whole          # the last write is the whole run's
+  data = whole["verify"]
   assert data["backend"] == "reference" and data["model"]["num_layers"] == bench.TINY.num_layers
   (row,) = data["rows"]
   assert (row["context"], row["rows"], row["batch"]) == (300, 4, 1)
@@ -164,6 +166,23 @@ def test_verify_smoke_run(tmp_path):
       assert x["draft_budget_us"][a] == pytest.approx(budget, rel=0.01, abs=0.2)
   assert 0 <= row["overlap"]["adjacent"] <= 1 and 1 <= row["overlap"]["union_2"] <= 2
   assert (tmp_path / "v_verify.png").is_file()
+
+
+def test_verify_hands_each_row_over_as_it_is_measured(monkeypatch):
+  """on_row gets the result so far after every row (what the program writes as a partial JSON),
+  each time one row longer, the last equal to the returned result. One schedule, to compile
+  little."""
+  from jaxspec.model.attention import NSA
+  from jaxspec.model.transformer import init_random
+  monkeypatch.setattr(bench, "verify_schedules", lambda t, g, n: [("per_query", NSA(), True)])
+  v = bench.parse_flags(dict(FLAGS, evals=["verify"], verify_contexts=["200", "300"],
+                             verify_rows=["4"], verify_group=2, verify_reps=1))
+  seen = []
+  result = bench.verify_eval(v, init_random(bench.TINY, dtype=jnp.float32), jnp.float32,
+                             "reference", on_row=seen.append)
+  assert [len(x["rows"]) for x in seen] == [1, 2]
+  assert [r["context"] for r in seen[-1]["rows"]] == [200, 300]
+  assert seen[-1] == result
 
 
 def test_a_missing_model_is_a_one_line_error(tmp_path):
