@@ -676,11 +676,13 @@ def sts_verify_plan(sh):
   """STS's verification attention (issue 15's speed table): one 1.5B layer (12 query heads, 2 KV
   heads of 128) verifying T = gamma + 1 = 5 rows over a 32K cache, dense (`verify_attention`, no
   scores) against sparse over per-KV-head lists of 10% of the cache plus the 64-token tail
-  (`sparse_attention`, STS's plan), at B = 16, 32 and 64."""
+  (`sparse_attention`, STS's plan), at B = 16, 32 and 64; each also chained (8 calls in one
+  program: no host dispatch between them)."""
   s = 32768 // sh
   for b in (16, 32, 64):
-    dense_case("qwen2.5-1.5b", b, s, 5, ("off",), with_ref=False, with_torch=False)
-    sparse_case("qwen2.5-1.5b", b, s, math.ceil(0.1 * s), 5, per_head=True, with_ref=False)
+    dense_case("qwen2.5-1.5b", b, s, 5, ("off",), with_ref=False, with_torch=False, chain=True)
+    sparse_case("qwen2.5-1.5b", b, s, math.ceil(0.1 * s), 5, per_head=True, with_ref=False,
+                chain=True)
 
 
 def summary():
