@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from jaxspec.model import nsa
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import HEADS
 from jaxspec.engine.state import DecodeState
@@ -232,18 +233,31 @@ def load(spec: str, tp: int = 1):
   return load_model(spec, dtype=jnp.bfloat16, tp=tp).model, "real weights"
 
 
+def random_cache(cfg: ModelConfig, batch: int, context: int, capacity: int, seed: int = 0,
+                 mesh=None, dtype=jnp.bfloat16) -> KVCache:
+  """A cache of `capacity` slots holding `context` tokens of random K/V per sequence (and, for an
+  NSA model, random compressed K/V); on a tensor-parallel `mesh` each device draws its own KV
+  heads."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * cfg.num_layers)
+  out = None if mesh is None else NamedSharding(mesh, HEADS)
+  normal = jax.jit(lambda k, shape: jax.random.normal(k, shape, dtype), static_argnums=1,
+                   out_shardings=out)
+  shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+  cache = KVCache(k=tuple(normal(k, shape) for k in keys[:cfg.num_layers]),
+                  v=tuple(normal(k, shape) for k in keys[cfg.num_layers:]),
+                  lengths=jnp.full((batch,), context, jnp.int32))
+  if cfg.nsa is None:
+    return cache
+  shape_c = (batch, nsa.num_compressed(capacity, cfg.nsa), cfg.num_kv_heads, cfg.head_dim)
+  compressed = lambda ks: tuple(normal(jax.random.fold_in(k, 1), shape_c) for k in ks)
+  return cache.replace(ck=compressed(keys[:cfg.num_layers]), cv=compressed(keys[cfg.num_layers:]))
+
+
 def filled_state(cfg, batch: int, context: int, capacity: int, steps_total: int, seed: int = 0,
                  mesh=None):
-  """A decode state whose cache holds `context` random tokens per sequence (on a tensor-parallel
-  `mesh`, each device drawing its own KV heads)."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * cfg.num_layers)
-  shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
-  out = None if mesh is None else NamedSharding(mesh, HEADS)
-  fill = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16), out_shardings=out)
-  ks = tuple(fill(k) for k in keys[:cfg.num_layers])
-  vs = tuple(fill(k) for k in keys[cfg.num_layers:])
-  cache = KVCache(k=ks, v=vs, lengths=jnp.full((batch,), context, jnp.int32))
-  return DecodeState(cache=cache, last_token=jnp.ones((batch,), jnp.int32),
+  """A decode state whose cache holds `context` random tokens per sequence (`random_cache`)."""
+  return DecodeState(cache=random_cache(cfg, batch, context, capacity, seed, mesh),
+                     last_token=jnp.ones((batch,), jnp.int32),
                      tokens=jnp.full((batch, steps_total + 1), -1, jnp.int32),
                      num_new=jnp.zeros((batch,), jnp.int32),
                      max_new=jnp.full((batch,), steps_total + 1, jnp.int32),
