@@ -28,8 +28,9 @@ Two launches per layer, as SSV's refresh layers run (Section 5.1 of ../shared/pa
                      8 KV heads, far from filling 132 SMs; so while those programs do not fill
                      the SMs a chain runs this launch as two (`compressed_splits`): the key tiles
                      split in shares over programs, each writing its unnormalised online-softmax
-                     state, merged in XLA as flash-decoding's splits are; then the importance
-                     tiles split in shares, each program reading the merged max and sum.
+                     state, merged in XLA as flash-decoding's splits are
+                     (`online_softmax.combine_splits`); then the importance tiles split in
+                     shares, each program reading the merged log-sum-exp.
   top-n              `nsa.select_blocks`, the reference's own lax.top_k over [B, T, Hkv, NB]
                      in XLA: NB = S / l' blocks a row (2048 at 128K and l' = 64), little next to
                      the attention's reads, and `topk_select` does not fit (a per-row k of token
@@ -304,9 +305,10 @@ def _compressed_split_kernel(pos_ref, q_ref, ck_ref, cv_ref, o_ref, m_ref, l_ref
   l_ref[...] = l_i
 
 
-def _importance_split_kernel(pos_ref, q_ref, ck_ref, m_ref, inv_ref, imp_ref, *, sm_scale: float,
+def _importance_split_kernel(pos_ref, q_ref, ck_ref, lse_ref, imp_ref, *, sm_scale: float,
                              cfg: NSAConfig, select_tile: int, block_i: int, num_splits: int):
-  # A chain's importance, share s = program_id(2) of the tiles, from the merged max and sum.
+  # A chain's importance, share s = program_id(2) of the tiles, from the merged base-2
+  # log-sum-exp lse_ref [M] (the probabilities are exp2(s - lse), so 1 / sum is 1).
   pos = pos_ref[...]
   q = q_ref[...]
   c_end = _compressed_end(pos, None, ck_ref.shape[0], cfg, 0)
@@ -315,7 +317,8 @@ def _importance_split_kernel(pos_ref, q_ref, ck_ref, m_ref, inv_ref, imp_ref, *,
   n_chunks = pl.cdiv(imp_ref.shape[1], select_tile)
   per = pl.cdiv(n_chunks, num_splits)
   lo = pl.program_id(2) * per
-  _importance_tiles(imp_ref, logits, pos, m_ref[...], inv_ref[...], lo,
+  lse = lse_ref[...]
+  _importance_tiles(imp_ref, logits, pos, lse, jnp.ones_like(lse), lo,
                     jnp.minimum(lo + per, n_chunks), cfg=cfg, select_tile=select_tile,
                     block_i=block_i)
 
@@ -389,26 +392,23 @@ def _compressed_split_unbatched(pos, q, ck, cv, *, sm_scale, cfg, num_blocks, bl
                  jax.ShapeDtypeStruct((hkv, n_prog, splits[0], m_rows), jnp.float32)],
       compiler_params=params, interpret=interpret,
       name=f"nsa_compressed_m{m_rows}_d{d}_shares")(pos, q, ck, cv)
-  # The shares merged; a row with nothing visible keeps m = MAX_INIT, l = 0 and gets 0, as in
-  # the one-launch kernel.
-  m_max = jnp.max(m, axis=2)
-  w = jnp.exp2(m - m_max[:, :, None])
-  l_sum = jnp.sum(w * l_sum, axis=2)
-  inv = 1.0 / jnp.where(l_sum > 0, l_sum, 1.0)
-  out = jnp.sum(w[..., None] * o, axis=2) * inv[..., None]
+  out, lse2 = online_softmax.combine_splits(o, m, l_sum)
   if not importance:
     return (out,)
+  # p = exp2(s - lse2): a row with nothing visible has lse2 = -inf, clamped to the finite start
+  # of a running max so that its masked logits give 0, as in the one-launch kernel.
+  lse2 = jnp.maximum(lse2, online_softmax.MAX_INIT)
   stat_spec = pl.BlockSpec((None, None, m_rows), lambda h, i, s: (h, i, 0))
   imp_kernel = functools.partial(_importance_split_kernel, sm_scale=sm_scale, cfg=cfg,
                                  select_tile=select_tile, block_i=block_i, num_splits=splits[1])
   # Every share writes its own tiles of the row tile's [M, NB] block.
   imp = pl.pallas_call(
       imp_kernel, grid=(hkv, n_prog, splits[1]),
-      in_specs=[pos_spec, q_spec, kv_spec, stat_spec, stat_spec],
+      in_specs=[pos_spec, q_spec, kv_spec, stat_spec],
       out_specs=pl.BlockSpec((None, None, m_rows, num_blocks), lambda h, i, s: (h, i, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((hkv, n_prog, m_rows, num_blocks), jnp.float32),
       compiler_params=params, interpret=interpret,
-      name=f"nsa_importance_m{m_rows}_d{d}_shares")(pos, q, ck, m_max, inv)
+      name=f"nsa_importance_m{m_rows}_d{d}_shares")(pos, q, ck, lse2)
   return out, imp
 
 
