@@ -85,7 +85,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from benchmarks import sparse_eval as se
-from benchmarks.common import device_name, git_commit, kernel_table, parse_tokens, write_json
+from benchmarks.common import (device_name, git_commit, kernel_table, parse_tokens, random_cache,
+                               time_fn, write_json)
 from jaxspec import cli
 from jaxspec.model.attention import NSA, Prefill
 from jaxspec.model.config import ModelConfig, NSAConfig
@@ -562,17 +563,6 @@ def _verify_passes(graphdef, state, tokens, cache, plan, backend, n):
   return jax.lax.fori_loop(0, n, body, (cache, *zeros))
 
 
-def random_nsa_cache(cfg: ModelConfig, batch: int, context: int, capacity: int, dtype,
-                     seed: int = 0) -> KVCache:
-  """A cache holding `context` tokens of random K/V per sequence, raw and compressed."""
-  cache = KVCache.create(cfg, batch, capacity, dtype)
-  keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 * cfg.num_layers))
-  normal = jax.jit(lambda key, shape: jax.random.normal(key, shape, dtype), static_argnums=1)
-  fill = lambda bufs: tuple(normal(next(keys), x.shape) for x in bufs)
-  return cache.replace(k=fill(cache.k), v=fill(cache.v), ck=fill(cache.ck), cv=fill(cache.cv),
-                       lengths=jnp.full((batch,), context, jnp.int32))
-
-
 def verify_eval(v: dict, model: Transformer, dtype, backend: str,
                 on_row: Callable[[dict], None] | None = None) -> dict:
   """The verify evaluation (module docstring): per context and T, each schedule's pass time, its
@@ -585,18 +575,19 @@ def verify_eval(v: dict, model: Transformer, dtype, backend: str,
   rng = np.random.default_rng(0)
   rows = []
 
-  def timed(tokens, cache, plan):
-    """(median seconds a pass over reps calls of PASSES passes each, the cache back, the
-    selections of the last pass)."""
-    cache, out, used = _verify_passes(graphdef, state, tokens, cache, plan, backend, PASSES)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      cache, out, used = _verify_passes(graphdef, state, tokens, cache, plan, backend, PASSES)
-      jax.block_until_ready(out)
-      times.append((time.perf_counter() - t0) / PASSES)
-    return float(np.median(times)), cache, used
+  box = {}    # the cache, donated from pass to pass, and the last pass's selections
+
+  def passes(tokens, plan, n):
+    """A thunk running n passes in one program; it returns their last argmax tokens."""
+    def run():
+      box["cache"], out, box["used"] = _verify_passes(graphdef, state, tokens, box["cache"],
+                                                      plan, backend, n)
+      return out
+    return run
+
+  def timed(tokens, plan):
+    """Median seconds a pass: `reps` programs of PASSES passes each."""
+    return time_fn(passes(tokens, plan, PASSES), warmup=1, reps=reps) / PASSES
 
   def summary():
     return dict(model=dataclasses.asdict(cfg), backend=backend, group=group, batch=batch,
@@ -606,18 +597,18 @@ def verify_eval(v: dict, model: Transformer, dtype, backend: str,
   bar = tqdm(total=sum(1 if t == 1 else len(verify_schedules(t, group, cfg.num_layers))
                        for _, t in cases), desc="verify passes", unit="schedule", file=sys.stderr)
   for context in v["verify_contexts"]:
-    cache = random_nsa_cache(cfg, batch, context, se.capacity_for(context + max(v["verify_rows"])),
-                             dtype)
+    box["cache"] = random_cache(cfg, batch, context,
+                                se.capacity_for(context + max(v["verify_rows"])), dtype=dtype)
     token_sets = {t: jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, t)), jnp.int32)
                   for t in [1] + v["verify_rows"]}
-    t_ar, cache, _ = timed(token_sets[1], cache, NSA())
+    t_ar = timed(token_sets[1], NSA())
     bar.update()
     for t in v["verify_rows"]:
       row = dict(context=context, rows=t, batch=batch, ar_us=round(t_ar * 1e6, 1))
       for name, plan, lossless in verify_schedules(t, group, cfg.num_layers):
         collect = name == "per_query"
         plan = dataclasses.replace(plan, collect=collect)
-        sec, cache, used = timed(token_sets[t], cache, plan)
+        sec = timed(token_sets[t], plan)
         entry = dict(us=round(sec * 1e6, 1), lossless=lossless,
                      over_per_query=None, speedup_over_ar={}, draft_budget_us={})
         for a in v["verify_acceptance"]:
@@ -626,7 +617,7 @@ def verify_eval(v: dict, model: Transformer, dtype, backend: str,
           entry["draft_budget_us"][str(a)] = round(max(0.0, e * t_ar - sec) / (t - 1) * 1e6, 1)
         if collect:
           positions = np.arange(context, context + t)
-          stats = overlap_stats(np.asarray(used[:, 0]), positions, cfg.nsa, (group,))
+          stats = overlap_stats(np.asarray(box["used"][:, 0]), positions, cfg.nsa, (group,))
           row["overlap"] = {k: round(float(np.nanmean(x)), 4) for k, x in stats.items()}
         row[name] = entry
         bar.update()
@@ -636,18 +627,11 @@ def verify_eval(v: dict, model: Transformer, dtype, backend: str,
         row["profile"] = {}
         for name, rows_, plan in (("ar", 1, NSA()), ("per_query", t, NSA()),
                                   (f"merged_{group}", t, NSA(group=group))):
-          box = [cache]
-
-          def one_pass(rows_=rows_, plan=plan):
-            box[0], out, _ = _verify_passes(graphdef, state, token_sets[rows_], box[0], plan,
-                                            backend, 1)
-            return out
-          row["profile"][name] = kernel_table(one_pass, top=14)
-          cache = box[0]
+          row["profile"][name] = kernel_table(passes(token_sets[rows_], plan, 1), top=14)
       rows.append(row)
       if on_row is not None:
         on_row(summary())
-    del cache
+    box.clear()
   bar.close()
   return summary()
 
