@@ -67,6 +67,7 @@ import os
 # runs first, a quarter.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -279,6 +280,19 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> np.ndarray
   return np.random.default_rng(seed).integers(0, vocab, (batch, length), dtype=np.int64)
 
 
+@contextlib.contextmanager
+def eos_ignored(model: torch.nn.Module):
+  """`generate` fills every field a generation config leaves None from the model's own
+  generation config, `eos_token_id` included, so a None there does not turn EOS off: the model's
+  EOS is unset meanwhile (a random prompt's greedy continuation can hit it in a few tokens)."""
+  own = model.generation_config.eos_token_id
+  model.generation_config.eos_token_id = None
+  try:
+    yield
+  finally:
+    model.generation_config.eos_token_id = own
+
+
 def hf_decode_row(model: torch.nn.Module, prompts: np.ndarray, settings: Settings) -> dict:
   """HF's step time over `prompts` [B, T] (see the module docstring); also the greedy tokens
   generated per sequence (`tokens`, for the cross-check; not written to the JSON)."""
@@ -301,9 +315,10 @@ def hf_decode_row(model: torch.nn.Module, prompts: np.ndarray, settings: Setting
   seq, times = ids, []
   for window in range(windows):
     clock = StepClock(sync)
-    out = model.generate(seq, attention_mask=torch.ones_like(seq), past_key_values=cache,
-                         generation_config=config,
-                         stopping_criteria=transformers.StoppingCriteriaList([clock]))
+    with eos_ignored(model):
+      out = model.generate(seq, attention_mask=torch.ones_like(seq), past_key_values=cache,
+                           generation_config=config,
+                           stopping_criteria=transformers.StoppingCriteriaList([clock]))
     sync()
     elapsed = time.perf_counter() - clock.t_first
     if out.shape[1] != seq.shape[1] + per_call or clock.len_first != seq.shape[1] + 1:

@@ -99,6 +99,21 @@ def test_summary(payload):
   assert s["decode_rows_not_compared"] == 0
 
 
+def test_hf_decode_windows_run_past_the_models_own_eos(weights_smollm2_gguf, torch_one_thread):
+  """`generate` fills a None `eos_token_id` from the model's generation config: a greedy token
+  that is the model's EOS must not end a timed window (on the GPU a 4K random prompt's second
+  token was Qwen's <|im_end|>, and the row failed)."""
+  settings = peer_hf.Settings(batch_sizes=(1,), contexts=(16,), steps=3, reps=1, warmup=0,
+                              prefill_tokens=16, device="cpu", compile=False, dtype="float32")
+  model = peer_hf.hf_load(peer_hf.resolve_source(str(weights_smollm2_gguf)), torch.float32, "cpu")
+  prompts = peer_hf.random_prompts(1, 16, model.config.vocab_size, 0)
+  free = peer_hf.hf_decode_row(model, prompts, settings)["tokens"][0]
+  assert len(free) == 4   # the token not yet in the cache, then 3 steps
+  model.generation_config.eos_token_id = free[1]
+  assert peer_hf.hf_decode_row(model, prompts, settings)["tokens"][0] == free
+  assert model.generation_config.eos_token_id == free[1]   # put back after each window
+
+
 def test_failures_and_helpers():
   oom = peer_hf.failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
   assert oom["skipped"] == "out of memory" and oom["error"].startswith("OutOfMemoryError")
