@@ -23,9 +23,11 @@
 #               METHODS / BATCH / WARMUP / MEASURE / SUFFIX as above
 #   peer        jaxspec against HF transformers (the machine's torch and transformers) in one run,
 #               both reading the shipped GGUFs (both shipped; no prep needed): decode steps of the
-#               1.5B and the 0.5B at B = 1, 16, 64 x 4K-32K (BATCHES / CONTEXTS override), then
-#               batch 1 on PROMPTS (default 8) short prompts: HF static+compiled, dynamic, prompt
-#               lookup and assisted (0.5B) against jaxspec vanilla, vegas and draft (0.5B), greedy
+#               1.5B at B = 1, 16, 64 x 4K and 16K (BATCHES / CONTEXTS override), then batch 1 on
+#               PROMPTS (default 4) short prompts: HF static+compiled, dynamic, prompt lookup and
+#               assisted (0.5B) against jaxspec vanilla, vegas and draft (0.5B), greedy. Each
+#               section takes 7-8 minutes on an H100: SECTIONS=decode or speculative runs one per
+#               call
 #   sts         STS's evaluation (benchmarks.sts; both models prepped, as for draft): the 1.5B's
 #               head maps for budgets 256 and 512 (jaxspec.sts_map, made once beside its
 #               checkpoint), then captured mass + perplexity and passkey retrieval as two runs
@@ -167,13 +169,15 @@ for step in "$@"; do
                    cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046:qwen15; do
         echo "${entry%%:*}  /tmp/shipped/${entry##*:}.gguf" | sha256sum -c || exit 1
       done
+      # Both frameworks read GGUF through the gguf package (carried in .whl/, as prep installs it).
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
       python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
         transformers.__version__, 'cuda', torch.cuda.is_available())"
       # JAX allocates on demand so that HF, which runs first, has the GPU (peer_hf's docstring).
       XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m benchmarks.peer_hf \
         --model=/tmp/shipped/qwen15.gguf --draft_model=/tmp/shipped/qwen05.gguf \
-        --batch_sizes=${BATCHES:-1,16,64} --contexts=${CONTEXTS:-4096,16384,32768} \
-        --prompts=${PROMPTS:-8} --max_new_tokens=256 \
+        --batch_sizes=${BATCHES:-1,16,64} --contexts=${CONTEXTS:-4096,16384} --nodecode_draft \
+        --sections=${SECTIONS:-decode,speculative} --prompts=${PROMPTS:-4} --max_new_tokens=256 \
         --out=$OUT/peer_hf${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -40 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
