@@ -58,8 +58,8 @@ Evaluations (--evals):
             caches adjacent rows share little beyond the 3 blocks NSA always selects (the
             measured overlap is in the JSON), the worst case for grouping: the kernel
             evaluation gives the gain at controlled overlap. --verify_profile adds, on a GPU,
-            the GPU time per kernel of one autoregressive step and of one per-query and one
-            merged pass at each T.
+            the GPU time per kernel of one autoregressive step and of one pass under each
+            schedule at each T.
 
 There are no trained NSA weights here: `nsa:SPEC` is SPEC's dense model NSA-ified training-free
 (`jaxspec.model.nsaify`: mean-pooled compression, fixed gates), a degraded model whose selections
@@ -148,7 +148,7 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                     "acceptance rates the speedups are given at (labels, not measurements)", **f)
   flags.DEFINE_integer("verify_reps", 5, "verify: timed repetitions of 8 passes (median)", **f)
   flags.DEFINE_bool("verify_profile", False, "verify, on a GPU: also the GPU time per kernel of "
-                    "one autoregressive step and one per-query and one merged pass at each T "
+                    "one autoregressive step and one pass under each schedule at each T "
                     "(benchmarks.common.kernel_table)", **f)
   flags.DEFINE_integer("copy_bytes", 4 << 30, "kernel: bytes of the copy that measures the "
                        "device's copy rate", **f)
@@ -625,8 +625,8 @@ def verify_eval(v: dict, model: Transformer, dtype, backend: str,
         row[name]["over_per_query"] = round(row["per_query"]["us"] / row[name]["us"], 3)
       if v["verify_profile"] and backend == "pallas":
         row["profile"] = {}
-        for name, rows_, plan in (("ar", 1, NSA()), ("per_query", t, NSA()),
-                                  (f"merged_{group}", t, NSA(group=group))):
+        for name, rows_, plan in [("ar", 1, NSA())] + [
+            (name, t, plan) for name, plan, _ in verify_schedules(t, group, cfg.num_layers)]:
           row["profile"][name] = kernel_table(passes(token_sets[rows_], plan, 1), top=14)
       rows.append(row)
       if on_row is not None:
