@@ -14,10 +14,11 @@ to --out, by default `ssv_schedule.json` beside the checkpoint, where `--method=
 (`jaxspec.ssv.load_schedule` checks that it was made for that model). Reuse layers change the
 model's output: the KL in the file says by how much, on this text.
 
-The passes are prefills (every window position a row, the plain NSA plan with the candidate
-schedule), one window at a time, the all-refresh pass beside each candidate's (the reference's
-[T, vocab] log-probabilities are not kept), so each candidate schedule compiles once:
-L - 1 + (L - 2) + ... candidates for L layers, each run over every window.
+The passes are prefills (every window position a row), one window at a time, the all-refresh
+pass beside each candidate's (the reference's [T, vocab] log-probabilities are not kept). The
+candidate schedule is data (`NSA.refresh_mask`), so one compiled program runs all
+L - 1 + (L - 2) + ... candidates for L layers over every window; in it every layer also selects
+its own blocks, which the mask keeps or drops.
 No trained NSA weights exist here; the tool runs on whatever NSA model it is given.
 """
 from __future__ import annotations
@@ -37,21 +38,23 @@ from jaxspec.model.attention import NSA
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "refresh"))
-def _window_kl(graphdef, params, window, *, refresh):
-  """window [1, T] -> the mean over its positions of KL(all refresh || `refresh`) of the
-  next-token distributions. One window at a time, both passes in one call: a real model's
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _window_kl(graphdef, params, window, refresh):
+  """window [1, T] -> the mean over its positions of KL(all refresh || `refresh`, [L] bool) of
+  the next-token distributions. The schedule is data (`NSA.refresh_mask`), so every candidate
+  runs in one compiled program. One window at a time, both passes in one call: a real model's
   [T, vocab] log-probabilities are large, so none are kept between calls."""
   model = nnx.merge(graphdef, params)
   t = window.shape[1]
 
-  def log_probs(schedule):
+  def log_probs(plan):
     cache = KVCache.create(model.cfg, 1, t, jnp.float32)
-    hidden, _, _ = model(window, cache.chain_positions(t), cache, NSA(refresh=schedule))
+    hidden, _, _ = model(window, cache.chain_positions(t), cache, plan)
     return jax.nn.log_softmax(model.logits(hidden), axis=-1)
 
-  reference = log_probs(None)
-  return jnp.mean(jnp.sum(jnp.exp(reference) * (reference - log_probs(refresh)), axis=-1))
+  reference = log_probs(NSA())
+  candidate = log_probs(NSA(refresh_mask=refresh))
+  return jnp.mean(jnp.sum(jnp.exp(reference) * (reference - candidate), axis=-1))
 
 
 def check_stop(num_layers: int, reuse_layers: int | None, tolerance: float | None) -> int:
@@ -87,8 +90,8 @@ def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | No
   graphdef, params = nnx.split(model)
 
   def kl(refresh) -> float:
-    return float(np.mean([_window_kl(graphdef, params, w[None], refresh=tuple(refresh))
-                          for w in windows]))
+    mask = jnp.asarray(refresh, bool)
+    return float(np.mean([_window_kl(graphdef, params, w[None], mask) for w in windows]))
 
   refresh, steps = [True] * num_layers, []
   total = sum(num_layers - 1 - k for k in range(most))

@@ -412,6 +412,40 @@ def test_schedules_in_the_model(model):
   assert (np.asarray(own[1]) != np.asarray(own[0])).any()   # layer 1 selects otherwise on its own
 
 
+def test_a_refresh_mask_runs_every_schedule_in_one_program():
+  """NSA(refresh_mask=...), the schedule as data (the calibration's form), gives each static
+  schedule's logits and selected blocks on a 3-layer model, a reuse layer after a reuse layer
+  included, and the four schedules share one compiled program."""
+  model = init_random(dataclasses.replace(CFG, num_layers=3), dtype=jnp.float32, seed=0)
+  rng = np.random.default_rng(9)
+  prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (57, 35)]
+  cache = KVCache.create(model.cfg, 2, S, jnp.float32)
+  _, cache = _forward(*nnx.split(model), jnp.asarray(padded(prompts), jnp.int32),
+                      cache.chain_positions(FULL), cache, Prefill())
+  cache = cache.replace(lengths=jnp.asarray([len(p) for p in prompts], jnp.int32))
+  nodes = rng.integers(0, CFG.vocab_size, (2, 5))
+  positions = cache.chain_positions(5)
+  compiled = _forward._cache_size()
+  outputs = []
+  for refresh in [(True, True, True), (True, False, True), (True, True, False),
+                  (True, False, False)]:
+    static, _ = forward(model, nodes, positions, cache, NSA(refresh=refresh))
+    outputs.append(np.asarray(static))
+    masked, _ = forward(model, nodes, positions, cache, NSA(refresh_mask=jnp.asarray(refresh)))
+    np.testing.assert_allclose(np.asarray(masked), np.asarray(static), rtol=0, atol=1e-6)
+    args = (*nnx.split(model), jnp.asarray(nodes, jnp.int32), positions, cache)
+    np.testing.assert_array_equal(
+        _blocks(*args, NSA(refresh_mask=jnp.asarray(refresh), collect=True)),
+        _blocks(*args, NSA(refresh=refresh, collect=True)))
+  assert not np.allclose(outputs[0], outputs[-1])   # the schedules differ: a mask is not ignored
+  # One program for the four masks, one per static schedule.
+  assert _forward._cache_size() - compiled == 1 + 4
+  for plan in (NSA(refresh_mask=jnp.ones(2, bool)),
+               NSA(refresh_mask=jnp.ones(3, bool), refresh=(True, True, True))):
+    with pytest.raises(ValueError, match="refresh_mask is one bool per layer"):
+      forward(model, nodes, positions, cache, plan)
+
+
 def test_plans_an_nsa_model_refuses(model):
   assert as_nsa(Dense(tree_bits=jnp.asarray(TREE.ancestor_bits))).tree_bits is not None
   sparse = Sparse(indices=jnp.zeros((1, 1, 1), jnp.int32), counts=jnp.zeros((1, 1), jnp.int32),

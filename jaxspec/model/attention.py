@@ -196,8 +196,13 @@ class NSA:
   without it grouping leaves the output bit for bit unchanged); refresh, one bool per layer
   (False: reuse the selection of the nearest earlier refresh layer, changes the output; None:
   every layer selects); collect, the forward pass returns every layer's selected blocks
-  [L, B, T, Hkv, n] int32 where other plans return their scores."""
+  [L, B, T, Hkv, n] int32 where other plans return their scores. refresh_mask [L] bool: the
+  refresh schedule as data instead (layer 0 refreshes whatever it holds), so that one compiled
+  program serves every schedule (`jaxspec.ssv_calibrate` tries hundreds); every layer then also
+  selects its own blocks, a second pass of its selected and window branches. Give refresh or
+  refresh_mask, not both."""
   tree_bits: jax.Array | None = None
+  refresh_mask: jax.Array | None = None
   group: int = struct.field(pytree_node=False, default=1)
   shared: bool = struct.field(pytree_node=False, default=False)
   refresh: tuple[bool, ...] | None = struct.field(pytree_node=False, default=None)

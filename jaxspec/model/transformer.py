@@ -194,13 +194,25 @@ class Transformer(nnx.Module):
 
     def layer(i, indices):
       nonlocal x
-      x, *layer_cache, indices = self.layers[i].nsa_call(
-          x, cos, sin, slots, cache.k[i], cache.v[i], cache.ck[i], cache.cv[i], cache.lengths,
-          plan, indices, backend, self.mesh)
+      args = (x, cos, sin, slots, cache.k[i], cache.v[i], cache.ck[i], cache.cv[i], cache.lengths,
+              plan)
+      if plan.refresh_mask is not None and indices is not None:
+        *_, own = self.layers[i].nsa_call(*args, None, backend, self.mesh)
+        indices = jnp.where(plan.refresh_mask[i], own, indices)
+      x, *layer_cache, indices = self.layers[i].nsa_call(*args, indices, backend, self.mesh)
       caches.append(layer_cache)
       return None, indices
 
-    _, used = nsa.run_schedule(nsa.check_refresh(plan.refresh, self.cfg.num_layers), layer)
+    if plan.refresh_mask is None:
+      _, used = nsa.run_schedule(nsa.check_refresh(plan.refresh, self.cfg.num_layers), layer)
+    else:
+      if plan.refresh is not None or plan.refresh_mask.shape != (self.cfg.num_layers,):
+        raise ValueError(f"an NSA plan's refresh_mask is one bool per layer "
+                         f"({self.cfg.num_layers}), in place of refresh; got shape "
+                         f"{plan.refresh_mask.shape} beside refresh={plan.refresh}")
+      used = []   # each layer's blocks: its own where the mask refreshes, else the last ones used
+      for i in range(self.cfg.num_layers):
+        used.append(layer(i, used[-1] if used else None)[1])
     k, v, ck, cv = (tuple(c) for c in zip(*caches))
     return (self.norm(x), cache.replace(k=k, v=v, ck=ck, cv=cv),
             jnp.stack(used) if plan.collect else None)
