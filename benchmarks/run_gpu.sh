@@ -4,6 +4,8 @@
 # (qwen05.gguf, or qwen15.gguf with MODEL=1.5b);
 # the gguf package as a wheel in .whl/, the data files (../shared/data) in .data/.
 # Usage: bash benchmarks/run_gpu.sh STEP...
+# JAXSPEC_COMMIT=<sha> names the commit in every JSON: the machine's copy of the tree may carry a
+# stale .git, and the JSONs would then name an older commit.
 #   prep        install the carried wheels, convert the GGUF to an orbax checkpoint
 #   smoke       real-weight greedy generation on the GPU: vanilla vs vegas (must match)
 #   decode      vanilla decode roofline runs
