@@ -101,7 +101,6 @@ from pallas_kernels import online_softmax
 from pallas_kernels.online_softmax import LOG2E, NEG_INF, pow2_rows
 
 _BIG = np.iinfo(np.int32).max     # sorts after every block index
-_SMS = 132                        # an H100's or H200's streaming multiprocessors
 
 
 def _check(q, k, v, lengths):
@@ -417,7 +416,7 @@ def compressed_splits(pairs: int, c: int, num_blocks: int, block_c: int, select_
   """(key-tile shares, importance-tile shares) per (sequence, KV head, row tile) for `pairs` of
   them: one each (the one-launch kernel) once the pairs alone fill the GPU's SMs, else enough for
   about `online_softmax.DEFAULT_PROGRAMS` programs, at most one a tile."""
-  if pairs >= _SMS:
+  if pairs >= online_softmax.SMS:
     return 1, 1
   return (online_softmax.default_splits(pairs, pl.cdiv(c, block_c)),
           online_softmax.default_splits(pairs, pl.cdiv(num_blocks, select_tile)))

@@ -30,7 +30,8 @@ NEG_INF = float("-inf")
 MAX_INIT = -1e30
 
 State = tuple[jax.Array, jax.Array, jax.Array]   # (acc [M, D], m [M], l [M]), all f32
-DEFAULT_PROGRAMS = 528   # ~4 programs per SM on a 132-SM H100/H200
+SMS = 132                # streaming multiprocessors of an H100 or H200
+DEFAULT_PROGRAMS = 4 * SMS   # ~4 programs per SM
 
 
 def dot(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -199,8 +199,8 @@ class NSA:
   [L, B, T, Hkv, n] int32 where other plans return their scores. refresh_mask [L] bool: the
   refresh schedule as data instead (layer 0 refreshes whatever it holds), so that one compiled
   program serves every schedule (`jaxspec.ssv_calibrate` tries hundreds); every layer then also
-  selects its own blocks, a second pass of its selected and window branches. Give refresh or
-  refresh_mask, not both."""
+  selects its own blocks, which the mask keeps or drops, so reuse layers save nothing. Give
+  refresh or refresh_mask, not both."""
   tree_bits: jax.Array | None = None
   refresh_mask: jax.Array | None = None
   group: int = struct.field(pytree_node=False, default=1)
