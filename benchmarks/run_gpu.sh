@@ -44,7 +44,20 @@
 #               are as long as the cache); sts and specattn CHANGE the target's output
 #   ssv_e2e     SSV end to end on the NSA-ified 1.5B (MODEL=1.5b prepped; the 0.5B drafts):
 #               autoregressive NSA against strict SSV (lossless) per query and in merged groups
-#               of 4, WORKLOAD (default short), BATCH (default 32), METHODS overrides
+#               of 4, WORKLOAD (default short), BATCH (default 32), METHODS overrides; the reuse
+#               classes (ssv@reuse.4, ssv@approx_reuse.4) read the schedule of ssv_calibrate
+#   ssv_calibrate
+#               SSV's refresh/reuse schedule of the NSA-ified 1.5B (jaxspec.ssv_calibrate, one
+#               compiled program for every candidate; MODEL=1.5b prepped): REUSE_LAYERS (default
+#               14) reuse layers over CAL_WINDOWS (default 4) WikiText-2 windows of CAL_TOKENS
+#               (default 4096: NSA's 16 selected blocks of 64 cover a 1024-token context whole,
+#               so shorter windows cannot tell a reuse layer from a refresh one), written beside
+#               the checkpoint and copied to $OUT
+#   ssv_plan    SSV's planner on the NSA-ified 1.5B with the 0.5B drafting: the offline profile
+#               (benchmarks.plan_profile; STRATEGIES, PLAN_CONTEXTS, BATCH) of strict strategies,
+#               then the throughput run with its static-best and refined rows beside METHODS
+#               (default none,ssv@strict.4), WORKLOAD (default short); PLAN_STEPS=profile or
+#               throughput runs one half per call (the profile stays in /tmp/plan)
 #   ssv         SSV's kernels on synthetic selections and block overlap on the NSA-ified 1.5B
 #               (benchmarks.ssv; MODEL=1.5b prepped; EVALS=verify, the verification stage of a
 #               random-weight NSA model, needs no weights); EVALS, CONTEXTS (default 8K,16K),
@@ -68,6 +81,8 @@ case ${MODEL:-0.5b} in
   *) echo "MODEL must be 0.5b or 1.5b"; exit 2 ;;
 esac
 TAG=${MODEL:+_$MODEL}
+# ssv_calibrate's schedule, once made: the reuse classes of ssv_e2e and ssv_plan read it.
+SCHEDULE=; [ -f /tmp/ckpt/qwen2.5-coder-1.5b/ssv_schedule.json ] && SCHEDULE=/tmp/ckpt/qwen2.5-coder-1.5b/ssv_schedule.json
 EOS_FLAG= EOS_TAG=
 if [ "${IGNORE_EOS:-0}" = 1 ]; then EOS_FLAG=--ignore_eos EOS_TAG=_ignore_eos; fi
 for step in "$@"; do
@@ -156,8 +171,29 @@ for step in "$@"; do
       python3 -m benchmarks.throughput --model=nsa:/tmp/ckpt/qwen2.5-coder-1.5b \
         --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b --workload=${WORKLOAD:-short} \
         --batch=${BATCH:-32} --methods=${METHODS:-none,ssv,ssv@strict.4} --gammas=default=4 \
-        --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+        ${SCHEDULE:+--ssv_schedule=$SCHEDULE} --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-short}_ssv${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
+    ssv_calibrate)
+      python3 -m jaxspec.ssv_calibrate --model=nsa:$CKPT --reuse_layers=${REUSE_LAYERS:-14} \
+        --windows=${CAL_WINDOWS:-4} --window_tokens=${CAL_TOKENS:-4096} --out=$CKPT/ssv_schedule.json \
+        2>&1 | grep -v "^[IW]1" | tail -4
+      cp $CKPT/ssv_schedule.json "$OUT/ssv_schedule_qwen2.5-coder-1.5b_nsa.json" ;;
+    ssv_plan)
+      mkdir -p /tmp/plan
+      if [ "${PLAN_STEPS:-profile throughput}" != throughput ]; then
+        python3 -m benchmarks.plan_profile --model=nsa:$CKPT --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b \
+          --strategies=${STRATEGIES:-ssv:2@strict.4,ssv:4@strict.4,ssv:6@strict.4,ssv:4@strict.1} \
+          --contexts=${PLAN_CONTEXTS:-2048,8192} --batches=${BATCH:-32} ${SCHEDULE:+--ssv_schedule=$SCHEDULE} \
+          --out=/tmp/plan/ssv_profile.json 2>&1 | grep -v "^[IW]1" | tail -12
+        cp /tmp/plan/ssv_profile.json "$OUT/plan_profile_ssv${SUFFIX:-}.json"
+      fi
+      if [ "${PLAN_STEPS:-profile throughput}" != profile ]; then
+        python3 -m benchmarks.throughput --model=nsa:$CKPT --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b \
+          --workload=${WORKLOAD:-short} --batch=${BATCH:-32} --methods=${METHODS:-none,ssv@strict.4} \
+          --gammas=default=4 --plan=/tmp/plan/ssv_profile.json ${SCHEDULE:+--ssv_schedule=$SCHEDULE} \
+          --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+          --out=$OUT/throughput_${WORKLOAD:-short}_ssv_plan${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12
+      fi ;;
     ssv)
       # SSV's kernels on synthetic selections, and the overlap on the NSA-ified 1.5B (needs
       # MODEL=1.5b prep first).
