@@ -14,11 +14,12 @@ to --out, by default `ssv_schedule.json` beside the checkpoint, where `--method=
 (`jaxspec.ssv.load_schedule` checks that it was made for that model). Reuse layers change the
 model's output: the KL in the file says by how much, on this text.
 
-The passes are prefills (every window position a row), one window at a time, the all-refresh
-pass beside each candidate's (the reference's [T, vocab] log-probabilities are not kept). The
-candidate schedule is data (`NSA.refresh_mask`), so one compiled program runs all
-L - 1 + (L - 2) + ... candidates for L layers over every window; in it every layer also selects
-its own blocks, which the mask keeps or drops.
+The passes are prefills (every window position a row), one window at a time. The all-refresh
+pass runs once per window and its [T, vocab] log-probabilities stay on the device for every
+candidate (windows x T x vocab floats: 10 GB for 4 windows of 4096 tokens of a Qwen model), so a
+candidate costs one pass. The candidate schedule is data (`NSA.refresh_mask`), so one compiled
+program runs all L - 1 + (L - 2) + ... candidates for L layers over every window; in it every
+layer also selects its own blocks, which the mask keeps or drops.
 No trained NSA weights exist here; the tool runs on whatever NSA model it is given.
 """
 from __future__ import annotations
@@ -38,22 +39,28 @@ from jaxspec.model.attention import NSA
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _window_kl(graphdef, params, window, refresh):
-  """window [1, T] -> the mean over its positions of KL(all refresh || `refresh`, [L] bool) of
-  the next-token distributions. The schedule is data (`NSA.refresh_mask`), so every candidate
-  runs in one compiled program. One window at a time, both passes in one call: a real model's
-  [T, vocab] log-probabilities are large, so none are kept between calls."""
-  model = nnx.merge(graphdef, params)
+
+def _log_probs(model: Transformer, window: jax.Array, plan: NSA) -> jax.Array:
+  """window [1, T] -> float32 next-token log-probabilities [1, T, vocab] under `plan`."""
   t = window.shape[1]
+  cache = KVCache.create(model.cfg, 1, t, jnp.float32)
+  hidden, _, _ = model(window, cache.chain_positions(t), cache, plan)
+  return jax.nn.log_softmax(model.logits(hidden), axis=-1)
 
-  def log_probs(plan):
-    cache = KVCache.create(model.cfg, 1, t, jnp.float32)
-    hidden, _, _ = model(window, cache.chain_positions(t), cache, plan)
-    return jax.nn.log_softmax(model.logits(hidden), axis=-1)
 
-  reference = log_probs(NSA())
-  candidate = log_probs(NSA(refresh_mask=refresh))
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _reference(graphdef, params, window):
+  """The all-refresh log-probabilities of one window, computed once and kept for every
+  candidate (T x vocab floats: 2.5 GB for 4096 tokens of Qwen's 152K vocabulary)."""
+  return _log_probs(nnx.merge(graphdef, params), window, NSA())
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _window_kl(graphdef, params, window, reference, refresh):
+  """The mean over one window's positions of KL(all refresh || `refresh`, [L] bool) of the
+  next-token distributions. The schedule is data (`NSA.refresh_mask`), so every candidate runs
+  in one compiled program."""
+  candidate = _log_probs(nnx.merge(graphdef, params), window, NSA(refresh_mask=refresh))
   return jnp.mean(jnp.sum(jnp.exp(reference) * (reference - candidate), axis=-1))
 
 
@@ -88,10 +95,12 @@ def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | No
   if windows.ndim != 2 or windows.size == 0:
     raise ValueError(f"calibration windows must be [N, T] token ids, got shape {windows.shape}")
   graphdef, params = nnx.split(model)
+  references = [_reference(graphdef, params, w[None]) for w in windows]
 
   def kl(refresh) -> float:
     mask = jnp.asarray(refresh, bool)
-    return float(np.mean([_window_kl(graphdef, params, w[None], mask) for w in windows]))
+    return float(np.mean([_window_kl(graphdef, params, w[None], r, mask)
+                          for w, r in zip(windows, references)]))
 
   refresh, steps = [True] * num_layers, []
   total = sum(num_layers - 1 - k for k in range(most))
