@@ -48,8 +48,8 @@
 #               classes (ssv@reuse.4, ssv@approx_reuse.4) read the schedule of ssv_calibrate
 #   ssv_calibrate
 #               SSV's refresh/reuse schedule of the NSA-ified 1.5B (jaxspec.ssv_calibrate, one
-#               compiled program for every candidate; MODEL=1.5b prepped): REUSE_LAYERS (default
-#               14) reuse layers over CAL_WINDOWS (default 4) WikiText-2 windows of CAL_TOKENS
+#               compiled program for every candidate, bfloat16; MODEL=1.5b prepped): REUSE_LAYERS
+#               (default 14) reuse layers over CAL_WINDOWS (default 2) WikiText-2 windows of CAL_TOKENS
 #               (default 4096: NSA's 16 selected blocks of 64 cover a 1024-token context whole,
 #               so shorter windows cannot tell a reuse layer from a refresh one), written beside
 #               the checkpoint and copied to $OUT
@@ -174,8 +174,10 @@ for step in "$@"; do
         ${SCHEDULE:+--ssv_schedule=$SCHEDULE} --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-short}_ssv${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     ssv_calibrate)
+      # bfloat16, as the 1.5B is served (ssv_e2e, ssv_plan); each candidate is one pass.
       python3 -m jaxspec.ssv_calibrate --model=nsa:$CKPT --reuse_layers=${REUSE_LAYERS:-14} \
-        --windows=${CAL_WINDOWS:-4} --window_tokens=${CAL_TOKENS:-4096} --out=$CKPT/ssv_schedule.json \
+        --windows=${CAL_WINDOWS:-2} --window_tokens=${CAL_TOKENS:-4096} --dtype=bfloat16 \
+        --out=$CKPT/ssv_schedule.json \
         2>&1 | grep -v "^[IW]1" | tail -4
       cp $CKPT/ssv_schedule.json "$OUT/ssv_schedule_qwen2.5-coder-1.5b_nsa.json" ;;
     ssv_plan)
