@@ -267,15 +267,15 @@ def select_blocks(importance: jax.Array, pos: jax.Array, cfg: NSAConfig) -> jax.
   return idx
 
 
-def _fold(state, s, v):
-  """Online softmax: fold logits s [..., K] (-inf where masked) and values v [..., K, D] in.
-  A block masked for a row leaves its state bit for bit as it was."""
+def _fold(state, s, v, spec):
+  """Online softmax: fold logits s [..., K] (-inf where masked) and values v in; `spec` (an
+  einsum) takes the probabilities [..., K] and v to [..., D]. A block masked for a row leaves its
+  state bit for bit as it was."""
   acc, m, l = state
   m_new = jnp.maximum(m, jnp.max(s, axis=-1))
   alpha = jnp.exp(m - m_new)
   p = jnp.exp(s - m_new[..., None])
-  return (acc * alpha[..., None] + (p[..., None] * v).sum(axis=-2), m_new,
-          l * alpha + p.sum(axis=-1))
+  return (acc * alpha[..., None] + jnp.einsum(spec, p, v), m_new, l * alpha + p.sum(axis=-1))
 
 
 def selected_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array,
@@ -293,7 +293,7 @@ def selected_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, len
   ls, n = cfg.select_block, indices.shape[-1]
   ng = -(-t // group)
   scale = dd ** -0.5
-  qg = _group_heads(q, hkv)[..., None, :]                                # [B, T, Hkv, G, 1, D]
+  qg = _group_heads(q, hkv) * scale                                      # [B, T, Hkv, G, D]
   idx = jnp.pad(indices, ((0, 0), (0, ng * group - t), (0, 0), (0, 0)), constant_values=-1)
   idx = idx.reshape(b, ng, group, hkv, n)
   # The group's union, ascending, each block once (duplicates and unused entries -1, last).
@@ -309,8 +309,8 @@ def selected_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, len
   row_group = jnp.arange(t) // group
   bi = jnp.arange(b)[:, None, None, None]
   hi = jnp.arange(hkv)[None, None, :, None]
-  state = (jnp.zeros(qg.shape[:-2] + (dd,), jnp.float32),
-           jnp.full(qg.shape[:-2], -1e30, jnp.float32), jnp.zeros(qg.shape[:-2], jnp.float32))
+  state = (jnp.zeros(qg.shape, jnp.float32), jnp.full(qg.shape[:-1], -1e30, jnp.float32),
+           jnp.zeros(qg.shape[:-1], jnp.float32))
 
   def block(state, xs):
     blk, mine = xs                                                       # [B,NG,Hkv], [B,T,Hkv]
@@ -321,8 +321,8 @@ def selected_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, len
     # Each row reads its group's copy.
     kb, vb, cached = kb[:, row_group], vb[:, row_group], cached[:, row_group]
     mask = (mine[..., None] & cached)[:, :, :, None]                     # [B, T, Hkv, 1, l']
-    logits = (qg * kb[:, :, :, None]).sum(axis=-1) * scale               # [B, T, Hkv, G, l']
-    return _fold(state, jnp.where(mask, logits, NEG_INF), vb[:, :, :, None]), None
+    logits = jnp.einsum("bthgd,bthkd->bthgk", qg, kb)                    # [B, T, Hkv, G, l']
+    return _fold(state, jnp.where(mask, logits, NEG_INF), vb, "bthgk,bthkd->bthgd"), None
 
   state, _ = jax.lax.scan(block, state, (jnp.moveaxis(union, -1, 0), jnp.moveaxis(own, -1, 0)))
   # The new keys, one tile for every row: seen, and in one of the row's blocks by position.
@@ -331,10 +331,8 @@ def selected_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, len
   vn = v_cache[jnp.arange(b)[:, None], new].astype(jnp.float32)
   in_sel = (indices[..., None] == (lay.pos // ls)[:, None, None, None, :]).any(axis=-2)
   mask = (in_sel & lay.sees[:, :, None])[:, :, :, None]                  # [B, T, Hkv, 1, T]
-  kn = kn.transpose(0, 2, 1, 3)[:, None, :, None]                        # [B, 1, Hkv, 1, T, D]
-  vn = vn.transpose(0, 2, 1, 3)[:, None, :, None]
-  logits = (qg * kn).sum(axis=-1) * scale
-  acc, _, l = _fold(state, jnp.where(mask, logits, NEG_INF), vn)
+  logits = jnp.einsum("bthgd,bkhd->bthgk", qg, kn)                       # [B, T, Hkv, G, T]
+  acc, _, l = _fold(state, jnp.where(mask, logits, NEG_INF), vn, "bthgk,bkhd->bthgd")
   out = acc / jnp.where(l > 0, l, 1.0)[..., None]
   return out.reshape(b, t, hq, dd)
 
