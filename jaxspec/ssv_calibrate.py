@@ -19,7 +19,8 @@ pass runs once per window and its [T, vocab] log-probabilities stay on the devic
 candidate (windows x T x vocab floats: 10 GB for 4 windows of 4096 tokens of a Qwen model), so a
 candidate costs one pass. The candidate schedule is data (`NSA.refresh_mask`), so one compiled
 program runs all L - 1 + (L - 2) + ... candidates for L layers over every window; in it every
-layer also selects its own blocks, which the mask keeps or drops.
+layer also selects its own blocks, which the mask keeps or drops. The passes run on the backend
+the engine serves with: the NSA kernels on a GPU, the pure-JAX reference elsewhere.
 No trained NSA weights exist here; the tool runs on whatever NSA model it is given.
 """
 from __future__ import annotations
@@ -35,32 +36,34 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxspec import cli, requests, ssv
-from jaxspec.model.attention import NSA
+from jaxspec.model.attention import NSA, check_backend, default_backend
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
 
 
-def _log_probs(model: Transformer, window: jax.Array, plan: NSA) -> jax.Array:
-  """window [1, T] -> float32 next-token log-probabilities [1, T, vocab] under `plan`."""
+def _log_probs(model: Transformer, window: jax.Array, plan: NSA, backend: str) -> jax.Array:
+  """window [1, T] -> float32 next-token log-probabilities [1, T, vocab] under `plan`. The cache
+  holds the weights' dtype (the kernels' operands match) and whole tiles of 128 slots."""
   t = window.shape[1]
-  cache = KVCache.create(model.cfg, 1, t, jnp.float32)
-  hidden, _, _ = model(window, cache.chain_positions(t), cache, plan)
+  cache = KVCache.create(model.cfg, 1, -(-t // 128) * 128, model.embed_tokens.embedding[...].dtype)
+  hidden, _, _ = model(window, cache.chain_positions(t), cache, plan, backend)
   return jax.nn.log_softmax(model.logits(hidden), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _reference(graphdef, params, window):
+@functools.partial(jax.jit, static_argnames=("graphdef", "backend"))
+def _reference(graphdef, params, window, backend):
   """The all-refresh log-probabilities of one window, computed once and kept for every
   candidate (T x vocab floats: 2.5 GB for 4096 tokens of Qwen's 152K vocabulary)."""
-  return _log_probs(nnx.merge(graphdef, params), window, NSA())
+  return _log_probs(nnx.merge(graphdef, params), window, NSA(), backend)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _window_kl(graphdef, params, window, reference, refresh):
+@functools.partial(jax.jit, static_argnames=("graphdef", "backend"))
+def _window_kl(graphdef, params, window, reference, refresh, backend):
   """The mean over one window's positions of KL(all refresh || `refresh`, [L] bool) of the
   next-token distributions. The schedule is data (`NSA.refresh_mask`), so every candidate runs
   in one compiled program."""
-  candidate = _log_probs(nnx.merge(graphdef, params), window, NSA(refresh_mask=refresh))
+  candidate = _log_probs(nnx.merge(graphdef, params), window, NSA(refresh_mask=refresh),
+                         backend)
   return jnp.mean(jnp.sum(jnp.exp(reference) * (reference - candidate), axis=-1))
 
 
@@ -81,11 +84,12 @@ def check_stop(num_layers: int, reuse_layers: int | None, tolerance: float | Non
 
 
 def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | None = None,
-              tolerance: float | None = None, progress: bool = True
+              tolerance: float | None = None, progress: bool = True, backend: str | None = None
               ) -> tuple[tuple[bool, ...], list[dict]]:
   """The greedy schedule (module docstring) for `model` on token windows [N, T]. Returns (refresh,
   one bool per layer; the steps taken: {'layer', 'kl'} each, in order, kl that of the schedule
-  after the step)."""
+  after the step). backend: the attention backend of the passes (`jaxspec.model.attention`;
+  default: the NSA kernels on a GPU, the reference elsewhere, as the engine serves)."""
   if model.cfg.nsa is None:
     raise ValueError("--model has dense attention: SSV's refresh/reuse schedule is for a Native "
                      "Sparse Attention model (ModelConfig.nsa)")
@@ -94,12 +98,13 @@ def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | No
   windows = jnp.asarray(windows, jnp.int32)
   if windows.ndim != 2 or windows.size == 0:
     raise ValueError(f"calibration windows must be [N, T] token ids, got shape {windows.shape}")
+  backend = check_backend(backend or default_backend())
   graphdef, params = nnx.split(model)
-  references = [_reference(graphdef, params, w[None]) for w in windows]
+  references = [_reference(graphdef, params, w[None], backend) for w in windows]
 
   def kl(refresh) -> float:
     mask = jnp.asarray(refresh, bool)
-    return float(np.mean([_window_kl(graphdef, params, w[None], r, mask)
+    return float(np.mean([_window_kl(graphdef, params, w[None], r, mask, backend)
                           for w, r in zip(windows, references)]))
 
   refresh, steps = [True] * num_layers, []

@@ -207,6 +207,18 @@ def test_calibration_writes_a_schedule_the_runner_loads(target, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_calibration_through_the_kernels_matches_the_reference(target):
+  """On a GPU the calibration runs the NSA kernels (the backend the engine serves with); here
+  they run in interpret mode and must give the reference's KL up to float32 rounding."""
+  windows = np.random.default_rng(3).integers(0, CFG.vocab_size, (1, 48))
+  refresh, steps = calibrate(target, windows, reuse_layers=1, progress=False)
+  kernels = calibrate(target, windows, reuse_layers=1, progress=False, backend="interpret")
+  assert kernels[0] == refresh
+  assert kernels[1][0]["kl"] == pytest.approx(steps[0]["kl"], rel=1e-3, abs=1e-7)
+  with pytest.raises(ValueError, match="attention backend must be one of"):
+    calibrate(target, windows, reuse_layers=1, progress=False, backend="cuda")
+
+
 def test_calibrate_tool_writes_the_schedule_beside_the_model(target, tmp_path, monkeypatch,
                                                              capsys):
   """`python -m jaxspec.ssv_calibrate`'s main on a loaded model (a stand-in loader and tokenizer:
