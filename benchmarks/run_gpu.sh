@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU runs recorded in benchmarks/RESULTS.md, as they were made on the lent machine.
 # Weights travel as the GGUF file in chunks (../shared/tools/ship_chunks.sh) to /tmp/shipped/
-# (qwen05.gguf, or qwen15.gguf with MODEL=1.5b);
+# (qwen05.gguf, or qwen15.gguf with MODEL=1.5b). Both at once in 27 calls (about 150 s of device
+# time): split the concatenation (0.5B first) into 58 MiB parts, append them to /tmp/shipped/all,
+# cut it at the 0.5B's 491,400,064 bytes (head -c / tail -c +491400065), check both sha256s;
 # the gguf package as a wheel in .whl/, the data files (../shared/data) in .data/.
 # Usage: bash benchmarks/run_gpu.sh STEP...
 # JAXSPEC_COMMIT=<sha> names the commit in every JSON: the machine's copy of the tree may carry a
@@ -48,11 +50,11 @@
 #               classes (ssv@reuse.4, ssv@approx_reuse.4) read the schedule of ssv_calibrate
 #   ssv_calibrate
 #               SSV's refresh/reuse schedule of the NSA-ified 1.5B (jaxspec.ssv_calibrate, one
-#               compiled program for every candidate, bfloat16; MODEL=1.5b prepped): REUSE_LAYERS
-#               (default 14) reuse layers over CAL_WINDOWS (default 2) WikiText-2 windows of CAL_TOKENS
-#               (default 4096: NSA's 16 selected blocks of 64 cover a 1024-token context whole,
-#               so shorter windows cannot tell a reuse layer from a refresh one), written beside
-#               the checkpoint and copied to $OUT
+#               compiled program for every candidate, bfloat16, the NSA kernels; MODEL=1.5b
+#               prepped): REUSE_LAYERS (default 14) reuse layers over CAL_WINDOWS (default 2)
+#               WikiText-2 windows of CAL_TOKENS (default 4096: NSA's 16 selected blocks of 64
+#               cover a 1024-token context whole, so shorter windows cannot tell a reuse layer
+#               from a refresh one), written beside the checkpoint and copied to $OUT
 #   ssv_plan    SSV's planner on the NSA-ified 1.5B with the 0.5B drafting: the offline profile
 #               (benchmarks.plan_profile; STRATEGIES, PLAN_CONTEXTS, BATCH) of strict strategies,
 #               then the throughput run with its static-best and refined rows beside METHODS
@@ -174,11 +176,12 @@ for step in "$@"; do
         ${SCHEDULE:+--ssv_schedule=$SCHEDULE} --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-short}_ssv${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     ssv_calibrate)
-      # bfloat16, as the 1.5B is served (ssv_e2e, ssv_plan); each candidate is one pass.
+      # bfloat16, as the 1.5B is served (ssv_e2e, ssv_plan); each candidate is one pass. The log
+      # goes straight to $OUT: a run cut short by the call's limit still tells how far it got.
       python3 -m jaxspec.ssv_calibrate --model=nsa:$CKPT --reuse_layers=${REUSE_LAYERS:-14} \
         --windows=${CAL_WINDOWS:-2} --window_tokens=${CAL_TOKENS:-4096} --dtype=bfloat16 \
-        --out=$CKPT/ssv_schedule.json \
-        2>&1 | grep -v "^[IW]1" | tail -4
+        --out=$CKPT/ssv_schedule.json 2> $OUT/ssv_calibrate.log
+      tr '\r' '\n' < $OUT/ssv_calibrate.log | grep -v "^[IW]1" | tail -4
       cp $CKPT/ssv_schedule.json "$OUT/ssv_schedule_qwen2.5-coder-1.5b_nsa.json" ;;
     ssv_plan)
       mkdir -p /tmp/plan
