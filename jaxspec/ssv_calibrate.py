@@ -45,7 +45,8 @@ def _log_probs(model: Transformer, window: jax.Array, plan: NSA, backend: str) -
   """window [1, T] -> float32 next-token log-probabilities [1, T, vocab] under `plan`. The cache
   holds the weights' dtype (the kernels' operands match) and whole tiles of 128 slots."""
   t = window.shape[1]
-  cache = KVCache.create(model.cfg, 1, -(-t // 128) * 128, model.embed_tokens.embedding[...].dtype)
+  dtype = model.embed_tokens.embedding[...].dtype
+  cache = KVCache.create(model.cfg, 1, -(-t // 128) * 128, dtype)
   hidden, _, _ = model(window, cache.chain_positions(t), cache, plan, backend)
   return jax.nn.log_softmax(model.logits(hidden), axis=-1)
 
