@@ -36,6 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxspec import cli, requests, ssv
+from jaxspec.engine.state import capacity_for
 from jaxspec.model.attention import NSA, check_backend, default_backend
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
@@ -43,10 +44,9 @@ from jaxspec.model.transformer import Transformer
 
 def _log_probs(model: Transformer, window: jax.Array, plan: NSA, backend: str) -> jax.Array:
   """window [1, T] -> float32 next-token log-probabilities [1, T, vocab] under `plan`. The cache
-  holds the weights' dtype (the kernels' operands match) and whole tiles of 128 slots."""
+  holds the weights' dtype, so the kernels' operands match."""
   t = window.shape[1]
-  dtype = model.embed_tokens.embedding[...].dtype
-  cache = KVCache.create(model.cfg, 1, -(-t // 128) * 128, dtype)
+  cache = KVCache.create(model.cfg, 1, capacity_for(t, 0), model.embed_tokens.embedding[...].dtype)
   hidden, _, _ = model(window, cache.chain_positions(t), cache, plan, backend)
   return jax.nn.log_softmax(model.logits(hidden), axis=-1)
 
@@ -54,7 +54,7 @@ def _log_probs(model: Transformer, window: jax.Array, plan: NSA, backend: str) -
 @functools.partial(jax.jit, static_argnames=("graphdef", "backend"))
 def _reference(graphdef, params, window, backend):
   """The all-refresh log-probabilities of one window, computed once and kept for every
-  candidate (T x vocab floats: 2.5 GB for 4096 tokens of Qwen's 152K vocabulary)."""
+  candidate (module docstring)."""
   return _log_probs(nnx.merge(graphdef, params), window, NSA(), backend)
 
 
