@@ -54,7 +54,8 @@
 #               prepped): REUSE_LAYERS (default 14) reuse layers over CAL_WINDOWS (default 2)
 #               WikiText-2 windows of CAL_TOKENS (default 4096: NSA's 16 selected blocks of 64
 #               cover a 1024-token context whole, so shorter windows cannot tell a reuse layer
-#               from a refresh one), written beside the checkpoint and copied to $OUT
+#               from a refresh one), written beside the checkpoint and copied to $OUT; RESUME
+#               (the LAYER:KL,... value a run cut short logged) goes on from its last step
 #   ssv_plan    SSV's planner on the NSA-ified 1.5B with the 0.5B drafting: the offline profile
 #               (benchmarks.plan_profile; STRATEGIES, PLAN_CONTEXTS, BATCH) of strict strategies,
 #               then the throughput run with its static-best and refined rows beside METHODS
@@ -180,8 +181,9 @@ for step in "$@"; do
       # goes straight to $OUT: a run cut short by the call's limit still tells how far it got.
       python3 -m jaxspec.ssv_calibrate --model=nsa:$CKPT --reuse_layers=${REUSE_LAYERS:-14} \
         --windows=${CAL_WINDOWS:-2} --window_tokens=${CAL_TOKENS:-4096} --dtype=bfloat16 \
-        --out=$CKPT/ssv_schedule.json 2> $OUT/ssv_calibrate.log
+        ${RESUME:+--resume=$RESUME} --out=$CKPT/ssv_schedule.json 2> $OUT/ssv_calibrate.log
       tr '\r' '\n' < $OUT/ssv_calibrate.log | grep -v "^[IW]1" | tail -4
+      grep -a "to go on from here" $OUT/ssv_calibrate.log | tail -1
       cp $CKPT/ssv_schedule.json "$OUT/ssv_schedule_qwen2.5-coder-1.5b_nsa.json" ;;
     ssv_plan)
       mkdir -p /tmp/plan

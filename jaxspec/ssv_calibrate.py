@@ -2,6 +2,7 @@
 
   python -m jaxspec.ssv_calibrate --model=checkpoints/my-nsa-model --reuse_layers=12
   python -m jaxspec.ssv_calibrate --model=... --tolerance=0.05 --text=my_text.txt --out=FILE
+  python -m jaxspec.ssv_calibrate --model=... --reuse_layers=12 --resume=7:0.0012,19:0.0031
 
 Greedy, training-free (IndexCache-style, as SSV calibrates it): windows of calibration text (the
 model's tokenizer over WikiText-2's test split, or --text) run through the model with every layer
@@ -12,7 +13,9 @@ position of KL(reference || schedule) of the final logits) becomes a reuse layer
 --reuse_layers layers, or before the first step whose KL would pass --tolerance. The schedule goes
 to --out, by default `ssv_schedule.json` beside the checkpoint, where `--method=ssv` finds it
 (`jaxspec.ssv.load_schedule` checks that it was made for that model). Reuse layers change the
-model's output: the KL in the file says by how much, on this text.
+model's output: the KL in the file says by how much, on this text. Each step is logged as it is
+taken, with the --resume value that goes on from it: a run cut short (a time limit) continues
+there, given the same windows and --dtype.
 
 The passes are prefills (every window position a row), one window at a time. The all-refresh
 pass runs once per window and its [T, vocab] log-probabilities stay on the device for every
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,12 +89,15 @@ def check_stop(num_layers: int, reuse_layers: int | None, tolerance: float | Non
 
 
 def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | None = None,
-              tolerance: float | None = None, progress: bool = True, backend: str | None = None
-              ) -> tuple[tuple[bool, ...], list[dict]]:
+              tolerance: float | None = None, progress: bool = True, backend: str | None = None,
+              resume: Sequence[dict] = ()) -> tuple[tuple[bool, ...], list[dict]]:
   """The greedy schedule (module docstring) for `model` on token windows [N, T]. Returns (refresh,
   one bool per layer; the steps taken: {'layer', 'kl'} each, in order, kl that of the schedule
   after the step). backend: the attention backend of the passes (`jaxspec.model.attention`;
-  default: the NSA kernels on a GPU, the reference elsewhere, as the engine serves)."""
+  default: the NSA kernels on a GPU, the reference elsewhere, as the engine serves). resume: the
+  first steps, taken as given (those a run cut short logged, on the same windows); the greedy
+  search goes on from them. With progress, each step is logged as it is taken, with the
+  --resume value that continues from it."""
   if model.cfg.nsa is None:
     raise ValueError("--model has dense attention: SSV's refresh/reuse schedule is for a Native "
                      "Sparse Attention model (ModelConfig.nsa)")
@@ -100,6 +107,10 @@ def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | No
   if windows.ndim != 2 or windows.size == 0:
     raise ValueError(f"calibration windows must be [N, T] token ids, got shape {windows.shape}")
   backend = check_backend(backend or default_backend())
+  steps = check_resume(resume, num_layers, most)
+  refresh = [True] * num_layers
+  for step in steps:
+    refresh[step["layer"]] = False
   graphdef, params = nnx.split(model)
   references = [_reference(graphdef, params, w[None], backend) for w in windows]
 
@@ -108,8 +119,7 @@ def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | No
     return float(np.mean([_window_kl(graphdef, params, w[None], r, mask, backend)
                           for w, r in zip(windows, references)]))
 
-  refresh, steps = [True] * num_layers, []
-  total = sum(num_layers - 1 - k for k in range(most))
+  total = sum(num_layers - 1 - k for k in range(len(steps), most))
   with tqdm(total=total, desc="ssv_calibrate", unit="schedule", file=sys.stderr,
             disable=not progress) as bar:
     while len(steps) < most:
@@ -124,7 +134,40 @@ def calibrate(model: Transformer, windows: np.ndarray, *, reuse_layers: int | No
       refresh[layer] = False
       steps.append(dict(layer=layer, kl=scores[layer]))
       bar.set_postfix_str(f"{len(steps)} reuse, KL {scores[layer]:.3g}")
+      if progress:
+        bar.write(f"[jaxspec] step {len(steps)}: layer {layer} reuses, mean KL "
+                  f"{scores[layer]!r}; to go on from here: --resume={format_resume(steps)}",
+                  file=sys.stderr)
   return tuple(refresh), steps
+
+
+def format_resume(steps: Sequence[dict]) -> str:
+  """The --resume value of `steps`: LAYER:KL,... (the KLs in full, so the record is the same)."""
+  return ",".join(f"{s['layer']}:{s['kl']!r}" for s in steps)
+
+
+def parse_resume(text: str) -> list[dict]:
+  """--resume's LAYER:KL,... as steps (one-line ValueError on anything else)."""
+  steps = []
+  for item in filter(None, text.split(",")):
+    try:
+      layer, kl = item.split(":")
+      steps.append(dict(layer=int(layer), kl=float(kl)))
+    except ValueError:
+      raise ValueError(f"--resume must be LAYER:KL,... (the value a cut-off run logged), got "
+                       f"{item!r}") from None
+  return steps
+
+
+def check_resume(steps: Sequence[dict], num_layers: int, most: int) -> list[dict]:
+  """The steps to resume from, checked against the model's layers and the stop."""
+  layers = [s["layer"] for s in steps]
+  if len(set(layers)) != len(layers) or not all(0 < i < num_layers for i in layers):
+    raise ValueError(f"--resume's layers must be distinct layers 1..{num_layers - 1} (layer 0 "
+                     f"always refreshes), got {layers}")
+  if len(steps) > most:
+    raise ValueError(f"--resume has {len(steps)} steps, more than the {most} reuse layers asked")
+  return [dict(layer=int(s["layer"]), kl=float(s["kl"])) for s in steps]
 
 
 def _define_flags() -> dict:
@@ -144,6 +187,9 @@ def _define_flags() -> dict:
                                    "position) against the all-refresh model would pass this"),
       out=flags.DEFINE_string("out", None, "the schedule JSON (default: ssv_schedule.json beside "
                               "--model)"),
+      resume=flags.DEFINE_string("resume", None, "go on from these first steps, LAYER:KL,... "
+                                 "(the value a run cut short logged at its last step; the same "
+                                 "windows and --dtype)"),
       dtype=flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"],
                               "weights and activations"))
 
@@ -159,6 +205,7 @@ def main(argv, f: dict):
     requests.check_count("--windows", v["windows"])
     requests.check_count("--window_tokens", v["window_tokens"], minimum=2)
     check_stop(2 ** 31 - 1, v["reuse_layers"], v["tolerance"])
+    resume = parse_resume(v["resume"] or "")
   except ValueError as e:
     cli.fail(prog, str(e))
   from jaxspec.io.loading import load_model
@@ -182,7 +229,7 @@ def main(argv, f: dict):
     length = min(v["window_tokens"], requests.context_limit(model.cfg))
     windows = calibration_windows(tokens, v["windows"], length)
     refresh, steps = calibrate(model, windows, reuse_layers=v["reuse_layers"],
-                               tolerance=v["tolerance"])
+                               tolerance=v["tolerance"], resume=resume)
     record = ssv.schedule_record(model, refresh, name=str(v["model"]), steps=steps,
                                  windows=int(windows.shape[0]), window_tokens=int(length),
                                  tolerance=v["tolerance"], metric="mean KL(all refresh || "

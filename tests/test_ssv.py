@@ -237,13 +237,20 @@ def test_calibrate_tool_writes_the_schedule_beside_the_model(target, tmp_path, m
   monkeypatch.setattr(loading, "load_model", lambda spec, dtype: loading.LoadedModel(
       cfg=target.cfg, model=target, tokenizer=Tokenizer(), source=tmp_path))
   values = dict(model="nsa", text=str(text), windows=1, window_tokens=48, reuse_layers=1,
-                tolerance=None, out=None, dtype="float32")
+                tolerance=None, out=None, dtype="float32", resume=None)
   ssv_calibrate.main([], {k: types.SimpleNamespace(value=v) for k, v in values.items()})
   path = tmp_path / "ssv_schedule.json"
-  assert "1 reuse layers [1]" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "1 reuse layers [1]" in err
   assert ssv.load_schedule(path, target) == (True, False)
   record = json.loads(path.read_text())
   assert record["name"] == "nsa" and record["steps"][0]["layer"] == 1 and record["windows"] == 1
+  # The step's log line names the --resume value; resuming from it takes the step as given.
+  value = err.split("--resume=")[1].split()[0]
+  assert ssv_calibrate.parse_resume(value) == record["steps"]
+  values.update(resume=value, out=str(tmp_path / "resumed.json"))
+  ssv_calibrate.main([], {k: types.SimpleNamespace(value=v) for k, v in values.items()})
+  assert json.loads((tmp_path / "resumed.json").read_text())["steps"] == record["steps"]
 
 
 def test_calibration_refuses_bad_input(target, draft):
@@ -255,6 +262,8 @@ def test_calibration_refuses_bad_input(target, draft):
       (target, dict(reuse_layers=2), "at most 1 reuse layers"),
       (target, dict(reuse_layers=-1), "--reuse_layers must be an integer >= 0"),
       (target, dict(tolerance=-1.0), "--tolerance must be a finite KL"),
+      (target, dict(reuse_layers=1, resume=[dict(layer=0, kl=0.1)]), "distinct layers 1..1"),
+      (target, dict(reuse_layers=0, resume=[dict(layer=1, kl=0.1)]), "more than the 0 reuse"),
   ]:
     with pytest.raises(ValueError, match=match) as e:
       calibrate(model, windows, progress=False, **kwargs)
@@ -304,3 +313,7 @@ def test_calibrate_tool_refuses_bad_flags():
   assert res.returncode == 1
   assert res.stderr.strip().splitlines() == [
       "jaxspec.ssv_calibrate: error: --reuse_layers must be an integer >= 0, got -2"]
+  from jaxspec.ssv_calibrate import parse_resume
+  with pytest.raises(ValueError, match="--resume must be LAYER:KL") as e:
+    parse_resume("7:0.1,seven")
+  assert "\n" not in str(e.value)
