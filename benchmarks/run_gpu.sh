@@ -84,7 +84,8 @@ case ${MODEL:-0.5b} in
   *) echo "MODEL must be 0.5b or 1.5b"; exit 2 ;;
 esac
 TAG=${MODEL:+_$MODEL}
-# ssv_calibrate's schedule, once made: the reuse classes of ssv_e2e and ssv_plan read it.
+# ssv_calibrate's schedule (prep copies the recorded one): the reuse classes of ssv_e2e and
+# ssv_plan read it.
 SCHEDULE=; [ -f /tmp/ckpt/qwen2.5-coder-1.5b/ssv_schedule.json ] && SCHEDULE=/tmp/ckpt/qwen2.5-coder-1.5b/ssv_schedule.json
 EOS_FLAG= EOS_TAG=
 if [ "${IGNORE_EOS:-0}" = 1 ]; then EOS_FLAG=--ignore_eos EOS_TAG=_ignore_eos; fi
@@ -95,11 +96,13 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
       echo "$SHA  $GGUF" | sha256sum -c || exit 1
       [ -d $CKPT ] || python3 -m jaxspec.convert --src=$GGUF --out=$CKPT --dtype=bfloat16 2>&1 | tail -3
-      # The recorded maps of the 1.5B/0.5B pair (benchmarks/results/maps) go beside the 1.5B, so
-      # the sts, specattn and sparse_e2e steps need not rebuild them (minutes of device time); a
-      # map names the checkpoints' hashes, so one that no longer fits is a clear error at load.
+      # The recorded maps of the 1.5B/0.5B pair and the NSA-ified 1.5B's SSV schedule
+      # (benchmarks/results/maps) go beside the 1.5B, so the sts, specattn, sparse_e2e and ssv_*
+      # steps need not rebuild them (minutes of device time); each names the checkpoints' hashes,
+      # so one that no longer fits is a clear error at load.
       if [ "${MODEL:-0.5b}" = 1.5b ]; then
         for m in benchmarks/results/maps/*.json; do [ -f "$CKPT/${m##*/}" ] || cp "$m" "$CKPT/"; done
+        SCHEDULE=$CKPT/ssv_schedule.json
       fi
       nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv ;;
     smoke)

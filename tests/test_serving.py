@@ -89,6 +89,24 @@ def test_planned_serving_gives_every_request_its_own_tokens(model, prompts, alon
   assert row["method"] == "plan" and row["plan_strategies"][tree.key]["verify_rounds"] > 0
 
 
+def test_planned_window_leaves_its_compiles_out(model, prompts):
+  """A strategy first used inside the window compiles there; the window still serves measure_s
+  seconds besides that compile (it once closed on wall time, and a long compile left a window
+  of a second or less)."""
+  from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Refinement,
+                                      Strategy)
+  chain, tree = Strategy("vegas", 2, 0.2), Strategy("vegas-all", 2, 0.3, tree=(2, 1))
+  profile = Profile({s.key: s for s in (chain, tree)}, (Bucket(4096, 3, (
+      (chain.key, Expectation(50.0, 1.0)), (tree.key, Expectation(1.0, 0.1)))),))
+  runner = Runner(model, min_tokens=4, backend="reference",
+                  planner=Planner(profile, refinement=Refinement(warmup_rounds=2, patience=1)))
+  measure_s = 0.5
+  row, _ = runner.serve(prompts * 40, 3, MAX_NEW, max_len=max(PROMPT_LENS) + MAX_NEW, chunk=2,
+                        warmup_s=0.0, measure_s=measure_s)
+  assert row["plan_switches"] and row["plan_compile_s"] > measure_s
+  assert row["measured_s"] >= measure_s
+
+
 def test_stagger_spreads_the_first_requests(model, prompts, alone):
   """stagger: the first B requests stop at max_new * (i + 1) / B tokens (their greedy tokens are a
   prefix of the request's alone), later ones at max_new."""

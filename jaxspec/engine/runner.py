@@ -581,7 +581,8 @@ class Runner:
     With a planner the batch is one request group: one strategy decodes all slots, chosen at each
     chunk boundary from the longest active context and the batch's acceptance (refills are
     prefilled with the strategy then running); a strategy first used inside the window compiles
-    there, and that time is left out of the window's seconds (`plan_compile_s`). The result adds
+    there, and that time is left out of the window's seconds (`plan_compile_s`): the window
+    closes after measure_s seconds of serving, compiles not counted. The result adds
     `plan_switches` and `plan_strategies`, and the acceptance figures are over all strategies.
     Returns (the measured window's numbers, the final state: a steady-state batch to profile).
     `on_finish(request index, its new tokens)` runs for every request that finishes, warm-up
@@ -675,7 +676,7 @@ class Runner:
                    compile_s=0.0)
     hist_window = None
     t_start = time.perf_counter()
-    measuring, t_measure = False, 0.0
+    measuring = False
     bar = tqdm(total=warmup_s + measure_s, desc=self.method, unit="s", file=sys.stderr,
                bar_format="{desc}: {n:.0f}/{total:.0f} s {postfix}",
                disable=not sys.stderr.isatty())
@@ -736,8 +737,8 @@ class Runner:
                           if measuring else "warming up")
       bar.refresh()
       if not measuring and elapsed >= warmup_s:
-        measuring, t_measure = True, t2
-      if measuring and t2 - t_measure >= measure_s:
+        measuring = True
+      if measuring and counted["seconds"] >= measure_s:   # compiles in the window not counted
         break
       if not queue and not ahead and done.all():
         break
