@@ -91,8 +91,8 @@ def test_planned_serving_gives_every_request_its_own_tokens(model, prompts, alon
 
 def test_planned_window_leaves_its_compiles_out(model, prompts):
   """A strategy first used inside the window compiles there; the window still serves measure_s
-  seconds besides that compile (it once closed on wall time, and a long compile left a window
-  of a second or less)."""
+  seconds besides that compile (closed on wall time instead, a compile longer than the window
+  would leave it nearly empty)."""
   from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Refinement,
                                       Strategy)
   chain, tree = Strategy("vegas", 2, 0.2), Strategy("vegas-all", 2, 0.3, tree=(2, 1))
