@@ -68,16 +68,22 @@ def test_every_request_gets_its_own_tokens(model, draft_model, prompts, alone, m
   assert row["tokens"] > 0 and row["tokens_per_s"] > 0
 
 
-def test_planned_serving_gives_every_request_its_own_tokens(model, prompts, alone):
-  """serve with a planner: the profile's inflated expectation for the chain forces a fall to a
-  (2, 1) tree mid-stream, the state switched at a chunk boundary and later refills prefilled
-  with the tree; every request still gets exactly its greedy tokens."""
+def _falling_planner():
+  """(chain, tree, a planner whose profile's inflated expectation for the chain makes it fall to
+  the (2, 1) tree after two rounds)."""
   from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Refinement,
                                       Strategy)
   chain, tree = Strategy("vegas", 2, 0.2), Strategy("vegas-all", 2, 0.3, tree=(2, 1))
   profile = Profile({s.key: s for s in (chain, tree)}, (Bucket(4096, 3, (
       (chain.key, Expectation(50.0, 1.0)), (tree.key, Expectation(1.0, 0.1)))),))
-  planner = Planner(profile, refinement=Refinement(warmup_rounds=2, patience=1))
+  return chain, tree, Planner(profile, refinement=Refinement(warmup_rounds=2, patience=1))
+
+
+def test_planned_serving_gives_every_request_its_own_tokens(model, prompts, alone):
+  """serve with a planner: the profile's inflated expectation for the chain forces a fall to a
+  (2, 1) tree mid-stream, the state switched at a chunk boundary and later refills prefilled
+  with the tree; every request still gets exactly its greedy tokens."""
+  chain, tree, planner = _falling_planner()
   runner = Runner(model, min_tokens=4, backend="reference", planner=planner)
   got = {}
   row, _ = runner.serve(prompts, 3, MAX_NEW, max_len=max(PROMPT_LENS) + MAX_NEW, chunk=2,
@@ -93,13 +99,7 @@ def test_planned_window_leaves_its_compiles_out(model, prompts):
   """A strategy first used inside the window compiles there; the window still serves measure_s
   seconds besides that compile (closed on wall time instead, a compile longer than the window
   would leave it nearly empty)."""
-  from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Refinement,
-                                      Strategy)
-  chain, tree = Strategy("vegas", 2, 0.2), Strategy("vegas-all", 2, 0.3, tree=(2, 1))
-  profile = Profile({s.key: s for s in (chain, tree)}, (Bucket(4096, 3, (
-      (chain.key, Expectation(50.0, 1.0)), (tree.key, Expectation(1.0, 0.1)))),))
-  runner = Runner(model, min_tokens=4, backend="reference",
-                  planner=Planner(profile, refinement=Refinement(warmup_rounds=2, patience=1)))
+  runner = Runner(model, min_tokens=4, backend="reference", planner=_falling_planner()[2])
   measure_s = 0.5
   row, _ = runner.serve(prompts * 40, 3, MAX_NEW, max_len=max(PROMPT_LENS) + MAX_NEW, chunk=2,
                         warmup_s=0.0, measure_s=measure_s)
