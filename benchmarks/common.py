@@ -1,7 +1,7 @@
 """Shared benchmark plumbing: model shapes for random-weight runs, copy bandwidth, JSON output, and
 what every real-weight run reports beside its speed: whether end-of-sequence tokens were honoured
 (`eos_settings`, `eos_label`) and how repetitive the generated text is (`distinct_ngram_share`,
-`repetition_summary`), so that degenerate text shows next to acceptance."""
+`repetition_summary`, `matched_repetition`), so that degenerate text shows next to acceptance."""
 from __future__ import annotations
 
 import collections
@@ -324,3 +324,19 @@ def repetition_summary(outputs: Mapping[int, Sequence[int]], stop_ids: Sequence[
           "stopped_share": sum(r[3] for r in per_request) / count if count else None,
           "mean_new_tokens": sum(r[1] for r in per_request) / count if count else None,
           "per_request": per_request}
+
+
+def matched_repetition(rows: Sequence[dict], n: int = 4) -> int:
+  """Adds `distinct_{n}gram_share_matched` to every row that has `per_request`: its mean share
+  over the requests that all those rows finished (the same prompt and token budget in each), so
+  that rows which finished different requests, and so outputs of different lengths, compare like
+  for like (the share falls as an output grows). Returns how many requests that is; with none in
+  common the field is None."""
+  rows = [r for r in rows if r.get("per_request") is not None]
+  shares = [{req: share for req, _, share, _ in r["per_request"] if share is not None}
+            for r in rows]
+  common = set.intersection(*map(set, shares)) if shares else set()
+  for row, by_req in zip(rows, shares):
+    row[f"distinct_{n}gram_share_matched"] = (
+        sum(by_req[q] for q in common) / len(common) if common else None)
+  return len(common)

@@ -28,7 +28,10 @@ in the plot's title. Beside acceptance every method reports how repetitive its t
 of distinct 4-grams in each finished request's output (`benchmarks.common.distinct_ngram_share`;
 every request that finished during the run, warm-up included), its mean and minimum over
 requests, and the share of requests that ended at EOS, so degenerate text (a loop that drafts
-well) shows.
+well) shows. The share falls as an output grows, and a faster method finishes more and longer
+requests in the same window, so rows are compared on the requests every row finished
+(`distinct_4gram_share_matched`, the table's `matched4`; `repetition_matched_requests` says how
+many): a lossless method's matched share equals vanilla's within noise.
 
 For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
 boundary (every --chunk_rounds rounds) its slot is refilled with the next request (prefill of one
@@ -73,8 +76,8 @@ from absl import app, flags
 
 from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, filled_state,
-                               git_commit, kernel_table, load, repetition_summary, time_fn,
-                               write_json)
+                               git_commit, kernel_table, load, matched_repetition,
+                               repetition_summary, time_fn, write_json)
 from jaxspec import cli, requests, ssv
 from jaxspec.drafting.draft_model import DraftModelState
 from jaxspec.drafting.specattn import DEFAULT_TOP_P, SpecAttnState
@@ -350,12 +353,12 @@ def row_label(row: dict, ignore_eos: bool) -> str:
 def plot_title(payload: dict) -> str:
   title = f"{payload['workload']}, B={payload['batch']}, {payload['device']}"
   return (eos_label(title, ignored_eos(payload))
-          + "\nlabels: accepted tokens / round; distinct 4-gram share")
+          + "\nlabels: accepted / round; distinct 4-grams, common requests")
 
 
 def plot(payload: dict, png_path: str) -> None:
   """Bars per method: tokens/s with refills and decode-only, labelled with accepted tokens per
-  round and the mean distinct-4-gram share."""
+  round and the mean distinct-4-gram share over the requests every row finished."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -365,14 +368,15 @@ def plot(payload: dict, png_path: str) -> None:
   ignore = ignored_eos(payload)
   names = [row_label(r, ignore) for r in rows]
   x = range(len(rows))
-  fig, ax = plt.subplots(figsize=(1.6 + 1.0 * len(rows), 3.4))
+  fig, ax = plt.subplots(figsize=(max(4.4, 1.6 + 1.0 * len(rows)), 3.4))
   ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], 0.4, label="with refills")
   ax.bar([i + 0.2 for i in x], [r["decode_only_tokens_per_s"] for r in rows], 0.4,
          label="decode only")
   for i, r in zip(x, rows):
-    share = r.get("distinct_4gram_share_mean")
+    share = r.get("distinct_4gram_share_matched")
     text = f"{r.get('mean_accepted_tokens', 1.0):.2f}" + ("" if share is None else f"\n{share:.2f}")
     ax.text(i + 0.2, r["decode_only_tokens_per_s"], text, ha="center", va="bottom", fontsize=7)
+  ax.set_ylim(0, 1.15 * max(r["decode_only_tokens_per_s"] for r in rows))   # room for labels
   ax.set_xticks(list(x), names, rotation=20, fontsize=8)
   ax.set_ylabel("tokens / s")
   ax.set_title(plot_title(payload), fontsize=8)
@@ -383,11 +387,12 @@ def plot(payload: dict, png_path: str) -> None:
 
 def summary_table(rows: list[dict], ignore_eos: bool) -> str:
   """The closing table: speed against method 'none', acceptance beside the repetition measures
-  (mean distinct-4-gram share, share of requests that ended at EOS), phase shares."""
+  (mean distinct-4-gram share over each row's requests and over the requests all rows finished,
+  share of requests that ended at EOS), phase shares."""
   base = next((r for r in rows if r.get("method") == "none" and r.get("tokens_per_s")), None)
   width = max([12] + [len(row_label(r, ignore_eos)) for r in rows])
   lines = [f"{'method':<{width}} {'g':>2} {'tok/s':>8} {'x none':>6} {'decode tok/s':>12} "
-           f"{'x none':>6} {'acc/round':>9} {'distinct4':>9} {'eos':>5} {'draft':>5} "
+           f"{'x none':>6} {'acc/round':>9} {'distinct4':>9} {'matched4':>8} {'eos':>5} {'draft':>5} "
            f"{'verify':>6} {'select':>6}"]
   for r in rows:
     label = row_label(r, ignore_eos)
@@ -400,12 +405,14 @@ def summary_table(rows: list[dict], ignore_eos: bool) -> str:
     xd = (r["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"] if base
           else float("nan"))
     share, stopped = r.get("distinct_4gram_share_mean"), r.get("stopped_share")
+    matched = r.get("distinct_4gram_share_matched")
     g = "-" if r.get("gamma") is None or r["method"] == "none" else r["gamma"]   # plan: switches
     lines.append(
         f"{label:<{width}} {g:>2} "
         f"{r['tokens_per_s']:>8.0f} {x:>6.2f} {r['decode_only_tokens_per_s']:>12.0f} {xd:>6.2f} "
         f"{r.get('mean_accepted_tokens', 1.0):>9.2f} "
         f"{'-' if share is None else f'{share:.3f}':>9} "
+        f"{'-' if matched is None else f'{matched:.3f}':>8} "
         f"{'-' if stopped is None else f'{stopped:.2f}':>5} {ph.get('draft_share', 0):>5.2f} "
         f"{ph.get('verify_share', 0):>6.2f} {ph.get('select_share', 0):>6.2f}")
   return "\n".join(lines)
@@ -416,7 +423,9 @@ def main(argv):
   cli.quiet_logging()
   if _PLOT_ONLY.value:
     with open(_PLOT_ONLY.value) as f:
-      plot(json.load(f), _PLOT_ONLY.value.removesuffix(".json") + ".png")
+      payload = json.load(f)
+    matched_repetition(payload["rows"])   # JSONs older than the field
+    plot(payload, _PLOT_ONLY.value.removesuffix(".json") + ".png")
     return
   prog = "benchmarks.throughput"
   workload, ignore_eos = _WORKLOAD.value, _IGNORE_EOS.value
@@ -514,7 +523,9 @@ def main(argv):
                  error=f"{type(e).__name__}: {str(e)[:500]}")
     rows.append(row)
     print({k: v for k, v in row.items() if k != "per_request"}, file=sys.stderr)
-    write_json(out_path, dict(header, rows=rows))   # keep what finished if a later method dies
+    matched = matched_repetition(rows)
+    # Rewritten after every method: keep what finished if a later method dies.
+    write_json(out_path, dict(header, rows=rows, repetition_matched_requests=matched))
   plot(dict(header, rows=rows), out_path.removesuffix(".json") + ".png")
   print("\n" + summary_table(rows, ignore_eos))
 

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import workloads
 from benchmarks.common import (distinct_ngram_share, eos_label, eos_settings,
-                               repetition_summary)
+                               matched_repetition, repetition_summary)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 QWEN3_DIR = SHARED / "models" / "qwen3-0.6b-tokenizer"
@@ -66,6 +66,24 @@ def test_repetition_summary():
   assert s["per_request"] == [[0, 8, 1.0, False], [1, 2, None, True], [2, 13, 0.4, True]]
   empty = repetition_summary({})
   assert empty["distinct_4gram_share_mean"] is None and empty["per_request"] == []
+
+
+def test_matched_repetition_compares_the_requests_every_row_finished():
+  """A row that finished more (and longer, more repetitive) requests is compared with the others
+  on the requests all rows finished; outputs too short for a 4-gram and rows without per-request
+  figures (a failed method) are left out."""
+  slow = repetition_summary({0: list(range(8)), 1: [5, 6, 7, 8, 9], 2: [1, 2]})
+  fast = repetition_summary({0: [1, 2, 3, 4] * 2, 1: list(range(6)), 2: list(range(9)),
+                             3: [7, 7, 7, 7, 7, 7, 7]})
+  failed = {"method": "x", "error": "boom"}
+  assert matched_repetition([slow, failed, fast]) == 2                # requests 0 and 1
+  assert slow["distinct_4gram_share_matched"] == pytest.approx(1.0)
+  assert fast["distinct_4gram_share_matched"] == pytest.approx((4 / 5 + 1.0) / 2)
+  assert fast["distinct_4gram_share_mean"] < fast["distinct_4gram_share_matched"]   # request 3
+  assert "distinct_4gram_share_matched" not in failed
+  apart = [repetition_summary({0: list(range(5))}), repetition_summary({1: list(range(5))})]
+  assert matched_repetition(apart) == 0
+  assert apart[0]["distinct_4gram_share_matched"] is None
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -224,8 +242,12 @@ def test_throughput_honours_eos_by_default_and_reports_repetition(tmp_path, monk
   assert shares, row["per_request"]
   assert row["distinct_4gram_share_mean"] == pytest.approx(sum(shares) / len(shares), abs=1e-4)
   assert 0 < row["distinct_4gram_share_min"] <= row["distinct_4gram_share_mean"] <= 1
+  # One row: it is matched with itself.
+  assert payload["repetition_matched_requests"] == len(shares)
+  assert row["distinct_4gram_share_matched"] == pytest.approx(row["distinct_4gram_share_mean"])
   header = next(line for line in stdout.splitlines() if line.startswith("method"))
-  assert "acc/round" in header and "distinct4" in header and "eos" in header
+  assert "acc/round" in header and "distinct4" in header and "matched4" in header
+  assert "eos" in header
 
 
 def test_throughput_ignore_eos_is_marked(tmp_path, monkeypatch, capsys, tiny_loaded):
