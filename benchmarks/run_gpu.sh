@@ -150,6 +150,7 @@ for step in "$@"; do
       # loop's control flow (+WHILE,+CONDITIONAL), on the scale workload at SHAPE (default the
       # 0.5B's), BATCH x CONTEXT (default 64 x 24576), METHODS (default none,vegas:6); each
       # JSON records its XLA_FLAGS.
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.8   # torch's copy (the ceiling) needs room beside JAX
       for setting in ${SETTINGS:-default off while}; do
         case $setting in
           default) flags= ;;
