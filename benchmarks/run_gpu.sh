@@ -73,8 +73,8 @@
 # paper's (temperature 0.6, top-p 0.95, top-k 20). IGNORE_EOS=1 passes --ignore_eos to sweep,
 # long, short and cont (stress mode: every request runs to its token budget); those results say
 # "(ignore_eos)" in their labels, JSON and plot titles, and their file names carry _ignore_eos.
-# The sweep and throughput runs recorded in RESULTS.md so far all ignored EOS: IGNORE_EOS=1
-# repeats them.
+# The fifth session's sweep and throughput runs (RESULTS.md) ignored EOS: IGNORE_EOS=1 repeats
+# them.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 JAXSPEC_DATA=.data
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
