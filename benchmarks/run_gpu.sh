@@ -161,7 +161,10 @@ for step in "$@"; do
         XLA_FLAGS="${XLA_FLAGS:-} $flags" python3 -m benchmarks.throughput \
           --model=random:${SHAPE:-qwen2.5-coder-0.5b} --workload=scale --batch=${BATCH:-64} \
           --context=${CONTEXT:-24576} --methods=${METHODS:-none,vegas:6} --gammas=default=6 \
-          --out=$OUT/levers_$setting${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | grep "^{\|rror"
+          --out=$OUT/levers_$setting${SUFFIX:-}.json > $OUT/levers_$setting${SUFFIX:-}.log 2>&1
+        rc=$?
+        # The rows, or how the process ended (one setting's run once printed neither).
+        grep "^{" $OUT/levers_$setting${SUFFIX:-}.log || { echo "$setting: exit $rc"; tail -5 $OUT/levers_$setting${SUFFIX:-}.log; }
       done ;;
     draft)
       python3 -m benchmarks.throughput --model=/tmp/ckpt/qwen2.5-coder-1.5b \
