@@ -82,7 +82,7 @@ def _falling_planner():
 def test_planned_serving_gives_every_request_its_own_tokens(model, prompts, alone):
   """serve with a planner: the profile's inflated expectation for the chain forces a fall to a
   (2, 1) tree mid-stream, the state switched at a chunk boundary and later refills prefilled
-  with the tree; every request still gets exactly its greedy tokens."""
+  with the chain and switched to the tree; every request still gets exactly its greedy tokens."""
   chain, tree, planner = _falling_planner()
   runner = Runner(model, min_tokens=4, backend="reference", planner=planner)
   got = {}
@@ -95,10 +95,30 @@ def test_planned_serving_gives_every_request_its_own_tokens(model, prompts, alon
   assert row["method"] == "plan" and row["plan_strategies"][tree.key]["verify_rounds"] > 0
 
 
-def test_planned_window_leaves_its_compiles_out(model, prompts):
-  """A strategy first used inside the window compiles there; the window still serves measure_s
-  seconds besides that compile (closed on wall time instead, a compile longer than the window
-  would leave it nearly empty)."""
+def test_precompile_leaves_no_switch_to_compile(model, prompts):
+  """After `precompile` every switch between the planner's strategies, in either direction, and
+  every strategy's chunk are cache hits (0 s compiling), though only the first strategy ran."""
+  chain, tree, planner = _falling_planner()
+  runner = Runner(model, min_tokens=4, backend="reference", planner=planner)
+  state, _, _ = runner.start(prompts[:3], MAX_NEW, max_len=max(PROMPT_LENS) + MAX_NEW,
+                             strategy=chain)
+  assert runner.precompile(state, chain, 2) > 0
+  for strategy in (tree, chain, tree):
+    state, switching = runner.switch(state, strategy)
+    state, stepping = runner.step(state, 2, strategy)
+    assert (switching, stepping) == (0.0, 0.0), strategy.key
+  assert runner.precompile(state, tree, 2) == 0.0     # everything cached already
+  with pytest.raises(ValueError, match="needs a runner with a planner"):
+    Runner(model, method="vegas", gamma=2, min_tokens=4, backend="reference").precompile(
+        state, tree, 2)
+
+
+def test_planned_window_leaves_its_compiles_out(model, prompts, monkeypatch):
+  """What compiles inside the window (here a whole strategy: precompiling is switched off, as
+  for a prompt length first seen there) is left out; the window still serves measure_s seconds
+  besides that compile (closed on wall time instead, a compile longer than the window would
+  leave it nearly empty)."""
+  monkeypatch.setattr(Runner, "precompile", lambda self, state, strategy, steps: 0.0)
   runner = Runner(model, min_tokens=4, backend="reference", planner=_falling_planner()[2])
   measure_s = 0.5
   row, _ = runner.serve(prompts * 40, 3, MAX_NEW, max_len=max(PROMPT_LENS) + MAX_NEW, chunk=2,

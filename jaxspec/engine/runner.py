@@ -387,6 +387,34 @@ class Runner:
     state, seconds = self.switch(state, nxt)
     return state, nxt, seconds
 
+  def precompile(self, state: SpecState, strategy: Strategy, steps: int) -> float:
+    """Compiles every variant the planner can switch `state` (running `strategy`) to, so that no
+    switch waits on a compile: each strategy's chunk of `steps` rounds, and the switch between
+    every ordered pair of strategies, on abstract states of the batch's shapes (nothing runs).
+    Returns the seconds spent compiling. A refill's switch (a batch-1 state, `serve`) is left to
+    its first use: it is a small program."""
+    if self.planner is None:
+      raise ValueError("precompile needs a runner with a planner")
+    capacity = state.decode.cache.capacity
+    seconds = 0.0
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      shapes = {strategy: state}   # the batch state each strategy runs on (abstract but one)
+      for s in self.planner.strategies:
+        if s not in shapes:
+          compiled, t = self._compile(_switch, state, config=self.config(capacity, s))
+          seconds += t
+          shapes[s] = jax.tree.map(
+              lambda info: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=info.sharding),
+              compiled.out_info)
+      for a, state_a in shapes.items():
+        seconds += self._compile(_chunk, self._params, state_a, steps=steps,
+                                 config=self.config(capacity, a))[1]
+        for b in shapes:   # from `strategy` these are cached already: no time
+          if b != a:
+            seconds += self._compile(_switch, state_a, config=self.config(capacity, b))[1]
+    return seconds
+
   def switch(self, state: SpecState, strategy: Strategy) -> tuple[SpecState, float]:
     """`state` (donated) made ready for the planner's `strategy` (`planner.switch_state`): (the
     state, seconds spent compiling). Its acceptance histogram restarts: read it first."""
@@ -491,11 +519,12 @@ class Runner:
 
     done = report(state)
     first = int(np.asarray(decode_state(state).num_new).sum())
-    if not done:   # compile the chunk before the clock starts
-      stats.compile_s += self._compile(_chunk, self._params, state, steps=chunk,
-                                       config=self.config(batch.capacity, strategy))[1]
+    if not done:   # compile the chunk (with a planner, every strategy's) before the clock starts
+      stats.compile_s += (self.precompile(state, strategy, chunk) if control is not None else
+                          self._compile(_chunk, self._params, state, steps=chunk,
+                                        config=self.config(batch.capacity, strategy))[1])
     t0 = time.perf_counter()
-    compiling = 0.0   # a strategy the planner switches to compiles on first use: not decode time
+    compiling = 0.0   # anything still compiled inside the loop: not decode time
     while not done:
       state, seconds = self.step(state, chunk, strategy)
       compiling += seconds
@@ -579,10 +608,13 @@ class Runner:
     later boundary instead of stalling the batch. `idle_slot_share` says how much of the window
     slots spent waiting so.
     With a planner the batch is one request group: one strategy decodes all slots, chosen at each
-    chunk boundary from the longest active context and the batch's acceptance (refills are
-    prefilled with the strategy then running); a strategy first used inside the window compiles
-    there, and that time is left out of the window's seconds (`plan_compile_s`): the window
-    closes after measure_s seconds of serving, compiles not counted. The result adds
+    chunk boundary from the longest active context and the batch's acceptance. Every strategy's
+    chunk and switch is compiled before serving starts (`precompile`); refills are prefilled
+    with the planner's first strategy and switched to the one then running, so prefills compile
+    once per prompt length, not once per strategy. What still compiles inside the window (a
+    refill's first switch to a strategy, a new prompt length) is left out of the window's seconds
+    (`plan_compile_s`): the window closes after measure_s seconds of serving, compiles not
+    counted. The result adds
     `plan_switches` and `plan_strategies`, and the acceptance figures are over all strategies.
     Returns (the measured window's numbers, the final state: a steady-state batch to profile).
     `on_finish(request index, its new tokens)` runs for every request that finishes, warm-up
@@ -600,6 +632,7 @@ class Runner:
     if self.planner is not None:
       control = self.planner.controller(max(map(len, prompts[:batch]), default=0), batch)
       strategy, tally = control.strategy, Tally()
+    first = strategy
     compiling = [0.0]
     queue = collections.deque(range(len(prompts)))
     prefill_params, decode_device = self._prefill_placement() if disaggregate else (None, None)
@@ -607,7 +640,10 @@ class Runner:
 
     def prefill(req, budget=None):
       fresh, seconds = self._prefill_one(prompts[req], max_new, max_len, seed + req, budget,
-                                         prefill_params, strategy)
+                                         prefill_params, first)
+      if strategy != first:
+        fresh, switching = self.switch(fresh, strategy)
+        seconds += switching
       compiling[0] += seconds
       return fresh
 
@@ -667,6 +703,8 @@ class Runner:
       for slot in slots:
         on_finish(slot_req[slot], tokens[slot, :num_new[slot]].copy())
 
+    if self.planner is not None:
+      self.precompile(state, strategy, chunk)
     state, _ = self.step(state, chunk, strategy)  # compiles the chunk
     num_new, done, hist = progress(state)
     plan_hists: dict = {}   # with a planner: the window's histogram per strategy
