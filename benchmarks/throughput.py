@@ -393,8 +393,8 @@ def summary_table(rows: list[dict], ignore_eos: bool) -> str:
   base = next((r for r in rows if r.get("method") == "none" and r.get("tokens_per_s")), None)
   width = max([12] + [len(row_label(r, ignore_eos)) for r in rows])
   lines = [f"{'method':<{width}} {'g':>2} {'tok/s':>8} {'x none':>6} {'decode tok/s':>12} "
-           f"{'x none':>6} {'acc/round':>9} {'distinct4':>9} {'matched4':>8} {'eos':>5} {'draft':>5} "
-           f"{'verify':>6} {'select':>6}"]
+           f"{'x none':>6} {'acc/round':>9} {'distinct4':>9} {'matched4':>8} {'eos':>5} "
+           f"{'draft':>5} {'verify':>6} {'select':>6}"]
   for r in rows:
     label = row_label(r, ignore_eos)
     if "error" in r or r.get("tokens_per_s") is None:

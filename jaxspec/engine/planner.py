@@ -2,8 +2,8 @@
 
 Speculation that pays at one context length or batch size can lose at another, and the best gamma,
 KV ratio or tree shape depends on the prompt. The planner picks among strategies the runner
-compiles before decoding starts (`Runner.precompile`), at chunk boundaries (between jitted chunks of rounds: no host sync per
-round), in two steps:
+compiles before decoding starts (`Runner.precompile`), at chunk boundaries (between jitted chunks
+of rounds: no host sync per round), in two steps:
 
   offline   a profile (`Profile`, JSON, made by `python -m benchmarks.plan_profile`) holds, per
             context bucket and batch size, per strategy, the mean accepted tokens per round and

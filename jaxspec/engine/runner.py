@@ -399,7 +399,8 @@ class Runner:
     seconds = 0.0
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-      shapes = {strategy: state}   # the batch state each strategy runs on (abstract but one)
+      # The batch state each strategy runs on: the real one for `strategy`, abstract otherwise.
+      shapes = {strategy: state}
       for s in self.planner.strategies:
         if s not in shapes:
           compiled, t = self._compile(_switch, state, config=self.config(capacity, s))
@@ -614,8 +615,8 @@ class Runner:
     once per prompt length, not once per strategy. What still compiles inside the window (a
     refill's first switch to a strategy, a new prompt length) is left out of the window's seconds
     (`plan_compile_s`): the window closes after measure_s seconds of serving, compiles not
-    counted. The result adds
-    `plan_switches` and `plan_strategies`, and the acceptance figures are over all strategies.
+    counted. The result adds `plan_switches` and `plan_strategies`, and the acceptance figures
+    are over all strategies.
     Returns (the measured window's numbers, the final state: a steady-state batch to profile).
     `on_finish(request index, its new tokens)` runs for every request that finishes, warm-up
     included (not for those still running when the window closes). The chunks where some finish
