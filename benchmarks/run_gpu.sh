@@ -36,12 +36,14 @@
 #               section takes 7-8 minutes on an H100: SECTIONS=decode or speculative runs one per
 #               call
 #   sts         STS's evaluation (benchmarks.sts; both models prepped, as for draft): the 1.5B's
-#               head maps for budgets 256 and 512 (jaxspec.sts_map, made once beside its
-#               checkpoint), then captured mass + perplexity and passkey retrieval as two runs
-#               (EVALS overrides: space-separated --evals values, default "mass,ppl passkey")
+#               head maps for STS_BUDGETS (default "256 512"; jaxspec.sts_map, made once beside its
+#               checkpoint and copied to $OUT/maps), then captured mass + perplexity and passkey
+#               retrieval as two runs (EVALS overrides: space-separated --evals values, default
+#               "mass,ppl passkey"; STS_EVAL_BUDGETS the evaluations' --budgets)
 #   specattn    SpecAttn's perplexity against KV reduction and the layer-map ablation
 #               (benchmarks.specattn; both models prepped): the KL layer map (jaxspec.specattn_map,
-#               made once beside the 1.5B), then WINDOWS (default 8) windows of 2048 tokens
+#               made once beside the 1.5B), then WINDOWS (default 8) windows of WINDOW (default
+#               2048) tokens at TOP_PS (default 0.95,0.97,0.99), MAPS (default kl,proportional,argmax)
 #   sparse_e2e  the draft-guided sparse methods end to end (both models prepped; the maps of the
 #               sts and specattn steps): the 1.5B with the 0.5B drafting, WORKLOAD (default long),
 #               METHODS (default none,draft:4,sts@256,specattn@0.95), BATCH (default 32),
@@ -174,13 +176,18 @@ for step in "$@"; do
         --out=$OUT/throughput_${WORKLOAD:-short}_draft${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     sts)
       T=/tmp/ckpt/qwen2.5-coder-1.5b D=/tmp/ckpt/qwen2.5-coder-0.5b maps=
-      for k in 256 512; do
+      mkdir -p $OUT/maps
+      for k in ${STS_BUDGETS:-256 512}; do
         m=$T/sts_map_k$k.qwen2_5-coder-0_5b.json
-        [ -f $m ] || python3 -m jaxspec.sts_map --target=$T --draft=$D --budget=$k 2>&1 | tail -1
+        # A sample must hold 64 rows that each see k keys: WikiText-2 articles up to 2048 tokens
+        # (46 of the first 100 have the 1702 that k = 1638 needs).
+        [ -f $m ] || { python3 -m jaxspec.sts_map --target=$T --draft=$D --budget=$k \
+          --max_tokens=$(( k + 64 > 1024 ? 2048 : 1024 )) 2>&1 | tail -1; cp $m $OUT/maps/; }
         maps=$maps${maps:+,}$m
       done
       for e in ${EVALS:-mass,ppl passkey}; do
         python3 -m benchmarks.sts --target=$T --draft=$D --sts_map=$maps --evals=$e \
+          ${STS_EVAL_BUDGETS:+--budgets=$STS_EVAL_BUDGETS} \
           --out=$OUT/sts_${e//,/_}${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -40
       done ;;
     specattn)
@@ -188,6 +195,7 @@ for step in "$@"; do
       m=$T/specattn_map.qwen2_5-coder-0_5b.json
       [ -f $m ] || python3 -m jaxspec.specattn_map --target=$T --draft=$D 2>&1 | grep -v "^[IW]1" | tail -2
       python3 -m benchmarks.specattn --target=$T --draft=$D --specattn_map=$m --windows=${WINDOWS:-8} \
+        --window=${WINDOW:-2048} --top_ps=${TOP_PS:-0.95,0.97,0.99} ${MAPS:+--maps=$MAPS} \
         --out=$OUT/specattn${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | grep -v "chunk/s" | tail -20 ;;
     sparse_e2e)
       T=/tmp/ckpt/qwen2.5-coder-1.5b

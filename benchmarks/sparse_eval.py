@@ -530,8 +530,12 @@ def teacher_forced(target, draft, windows: np.ndarray, *, prefill_len: int, gamm
   run = _Run(target, draft, windows[:, :prefill_len], capacity_for(w), method=method,
              probe=probe, dtype=dtype, backend=backend)
   n_layers = target.cfg.num_layers
-  nll, scored, reads, dense_reads, kept = 0.0, 0, 0.0, 0.0, []
   starts = range(prefill_len, w - t, t)
+  if not starts:
+    raise ValueError(f"no chunk of {t} tokens to score after a prefill of {prefill_len} of {w}")
+  # Per-chunk results stay on the device until the end: no host sync inside the loop, so the
+  # chunks' dispatch overlaps their execution.
+  nlls, kept = [], []
   for c, start in enumerate(tqdm(starts, desc=desc, unit="chunk", leave=False,
                                  disable=desc is None)):
     budget = jnp.asarray(np.zeros(b) if budgets is None else budgets(c), jnp.int32)
@@ -540,14 +544,13 @@ def teacher_forced(target, draft, windows: np.ndarray, *, prefill_len: int, gamm
                                                 on_view is not None)
     if on_view is not None:
       on_view(view)
-    nll += float(chunk_nll.sum())
-    scored += b * t
-    chunk_reads = np.asarray(chunk_reads, np.float64)
-    reads += float((chunk_reads + t).sum())
-    dense_reads += n_layers * b * (start + t)
+    nlls.append(chunk_nll)
     kept.append(chunk_reads)
-  if not scored:
-    raise ValueError(f"no chunk of {t} tokens to score after a prefill of {prefill_len} of {w}")
+  kept = [np.asarray(k, np.float64) for k in kept]
+  nll = float(np.sum([np.asarray(x, np.float64).sum() for x in nlls]))
+  scored = len(starts) * b * t
+  reads = float(sum((k + t).sum() for k in kept))
+  dense_reads = float(sum(n_layers * b * (start + t) for start in starts))
   return dict(perplexity=math.exp(nll / scored), kv_reduction=1 - reads / dense_reads,
               scored_tokens=scored), kept
 

@@ -29,7 +29,8 @@ dense:
 KV reduction: 1 - (keys the target's attention reads) / (keys dense attention reads), summed over
 all target layers and chunks, each chunk's own gamma + 1 keys counted in both (the dense layers
 read everything). Perplexity: exp(mean NLL) over every scored token.
-Output: JSON (--out) and a PNG (perplexity against KV reduction, one line per method).
+Output: JSON (--out; rewritten after every row, `complete` false until the last) and a PNG
+(perplexity against KV reduction, one line per method).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import dataclasses
 import datetime
 import os
 import sys
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -109,20 +111,28 @@ def _maps(target, draft) -> dict[str, tuple[int, ...]]:
 
 
 def run(target, draft, windows: np.ndarray, *, top_ps, maps: dict, prefill: int, gamma: int,
-        dtype=jnp.float32) -> list[dict]:
-  """Every method's row: full, specattn@p per map, streaming@p and quest@p at specattn's budget."""
+        dtype=jnp.float32, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+  """Every method's row: full, specattn@p per map, streaming@p and quest@p at specattn's budget.
+  on_row(rows so far), after each row (a 16K window takes minutes per method)."""
   first = next(iter(maps))
   dense = specattn.DENSE_LAYERS
   capacity = se.capacity_for(windows.shape[1])
   kw = dict(prefill=prefill, gamma=gamma, dtype=dtype)
   full, _ = evaluate(target, draft, windows, method=se.Method(), desc="full", **kw)
-  rows = [dict(method="full", **full)]
+  rows = []
+
+  def add(row):
+    rows.append(dict(row, ppl_increase=row["perplexity"] / full["perplexity"] - 1))
+    if on_row is not None:
+      on_row(rows)
+
+  add(dict(method="full", **full))
   for p in top_ps:
     for name, layers in maps.items():
       spec = specattn.SpecAttnConfig(layers=layers, top_p=p)
       res, kept = evaluate(target, draft, windows, method=SpecAttn(spec=spec),
                            desc=f"specattn@{p} {name}", **kw)
-      rows.append(dict(method="specattn", top_p=p, map=name, **res))
+      add(dict(method="specattn", top_p=p, map=name, **res))
       if name != first:
         continue
       sparse = np.asarray(spec.slots) >= 0
@@ -131,9 +141,7 @@ def run(target, draft, windows: np.ndarray, *, top_ps, maps: dict, prefill: int,
                             (se.Quest(dense_layers=dense, max_pages=capacity // se.PAGE), "quest")):
         res, _ = evaluate(target, draft, windows, method=method, budgets=budgets,
                           desc=f"{label}@{p}", **kw)
-        rows.append(dict(method=label, top_p=p, map=name, **res))
-  for r in rows:
-    r["ppl_increase"] = r["perplexity"] / full["perplexity"] - 1
+        add(dict(method=label, top_p=p, map=name, **res))
   return rows
 
 
@@ -176,12 +184,15 @@ def main(argv):
   except (OSError, ValueError) as e:
     cli.fail("benchmarks.specattn", str(e))
   prefill = max(1, int(_PREFILL.value * _WINDOW.value))
-  rows = run(target, draft, windows, top_ps=top_ps, maps=maps, prefill=prefill,
-             gamma=_GAMMA.value, dtype=dtype)
   settings = dict(target=names[0], draft=names[1], window=_WINDOW.value, windows=len(windows),
                   prefill=prefill, gamma=_GAMMA.value, dtype=_DTYPE.value, maps=maps,
                   device=device_name(), commit=git_commit(), date=datetime.date.today().isoformat())
-  write_json(_OUT.value, {"settings": settings, "results": rows})
+  # Written after every row, marked incomplete until the last: a run cut short keeps its rows.
+  rows = run(target, draft, windows, top_ps=top_ps, maps=maps, prefill=prefill,
+             gamma=_GAMMA.value, dtype=dtype,
+             on_row=lambda rows: write_json(_OUT.value, {"settings": settings, "results": rows,
+                                                         "complete": False}))
+  write_json(_OUT.value, {"settings": settings, "results": rows, "complete": True})
   plot(rows, os.path.splitext(_OUT.value)[0] + ".png",
        f"{names[1]} -> {names[0]}, {len(windows)} x {_WINDOW.value} tokens, gamma {_GAMMA.value}")
   for r in rows:

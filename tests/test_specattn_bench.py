@@ -12,7 +12,9 @@ def test_specattn_benchmark_smoke(tmp_path):
                         "--dtype=float32", f"--out={out}"], capture_output=True, text=True,
                        timeout=600)
   assert res.returncode == 0, res.stderr[-2000:]
-  rows = json.loads(out.read_text())["results"]
+  written = json.loads(out.read_text())
+  assert written["complete"] is True
+  rows = written["results"]
   assert [r["method"] for r in rows] == ["full", "specattn", "streaming", "quest"]
   full, spec, stream, quest = rows
   assert full["kv_reduction"] == 0 and full["ppl_increase"] == 0
@@ -24,3 +26,24 @@ def test_specattn_benchmark_smoke(tmp_path):
   assert full["scored_tokens"] == spec["scored_tokens"] == stream["scored_tokens"] > 0
   assert quest["scored_tokens"] == full["scored_tokens"]
   assert (tmp_path / "specattn.png").stat().st_size > 0
+
+
+def test_rows_are_reported_as_they_are_made():
+  """run() hands every row to on_row as soon as it exists (the CLI writes the JSON then), so a
+  run cut short keeps the rows it made."""
+  import jax.numpy as jnp
+  import numpy as np
+  from benchmarks import sparse_eval as se
+  from benchmarks import specattn as bench
+  from jaxspec import specattn_map as sm
+  pair = se.load_pair(None, None, True, jnp.float32)
+  tokens = se.book_tokens(pair.tokenizer)[:128]
+  maps = {"proportional": sm.proportional_map(pair.target.cfg.num_layers,
+                                              pair.draft.cfg.num_layers)}
+  seen = []
+  rows = bench.run(pair.target, pair.draft, tokens[None], top_ps=[0.9], maps=maps, prefill=64,
+                   gamma=3, on_row=lambda rows: seen.append([r["method"] for r in rows]))
+  assert seen == [["full"], ["full", "specattn"], ["full", "specattn", "streaming"],
+                  ["full", "specattn", "streaming", "quest"]]
+  assert [r["method"] for r in rows] == seen[-1]
+  assert rows[0]["ppl_increase"] == 0 and np.isfinite(rows[1]["ppl_increase"])
