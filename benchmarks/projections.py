@@ -59,20 +59,22 @@ def shape_config(name: str) -> ModelConfig:
   return SHAPES[name]
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
-  """Per projection, the layers' kernels stacked: name -> [L, in, out] bfloat16."""
+def random_weights(cfg: ModelConfig, seed: int = 0) -> list[dict[str, jax.Array]]:
+  """Per layer, name -> kernel [in, out] bfloat16: one array each, as the model holds them (a
+  slice of stacked weights would add a copy per layer)."""
   h, i, q, kv = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim,
                  cfg.num_kv_heads * cfg.head_dim)
   shapes = dict(q=(h, q), k=(h, kv), v=(h, kv), o=(q, h), gate=(h, i), up=(h, i), down=(i, h))
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
-  return {n: 0.02 * jax.random.normal(k, (cfg.num_layers, *s), jnp.bfloat16)
-          for (n, s), k in zip(shapes.items(), keys)}
+  keys = jax.random.split(jax.random.PRNGKey(seed), cfg.num_layers * len(shapes)).reshape(
+      cfg.num_layers, len(shapes), -1)
+  return [{n: 0.02 * jax.random.normal(k, s, jnp.bfloat16) for (n, s), k in zip(shapes.items(), ks)}
+          for ks in keys]
 
 
-def fuse(w: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """q/k/v and gate/up concatenated along their outputs (once, outside the loop)."""
-  return dict(qkv=jnp.concatenate([w["q"], w["k"], w["v"]], -1), o=w["o"],
-              gate_up=jnp.concatenate([w["gate"], w["up"]], -1), down=w["down"])
+def fuse(w: list[dict[str, jax.Array]]) -> list[dict[str, jax.Array]]:
+  """Per layer, q/k/v and gate/up concatenated along their outputs (once, outside the loop)."""
+  return [dict(qkv=jnp.concatenate([l["q"], l["k"], l["v"]], -1), o=l["o"],
+               gate_up=jnp.concatenate([l["gate"], l["up"]], -1), down=l["down"]) for l in w]
 
 
 def _mix(q, k, v, heads: int, kv_heads: int):
@@ -84,21 +86,20 @@ def _mix(q, k, v, heads: int, kv_heads: int):
   return (qh * jax.nn.sigmoid(kh) + vh).reshape(m, -1)
 
 
-def forward(w: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def forward(w: list[dict[str, jax.Array]], x: jax.Array, cfg: ModelConfig) -> jax.Array:
   """One pass of the stack, x [M, H] -> [M, H]; `w` separate or fused (`fuse`)."""
   q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  for layer in range(cfg.num_layers):
-    if "qkv" in w:
-      qkv = x @ w["qkv"][layer]
-      q, k, v = jnp.split(qkv, [q_out, q_out + kv_out], -1)
+  for layer in w:
+    if "qkv" in layer:
+      q, k, v = jnp.split(x @ layer["qkv"], [q_out, q_out + kv_out], -1)
     else:
-      q, k, v = (x @ w[n][layer] for n in ("q", "k", "v"))
-    x = x + _mix(q, k, v, cfg.num_heads, cfg.num_kv_heads) @ w["o"][layer]
-    if "gate_up" in w:
-      g, u = jnp.split(x @ w["gate_up"][layer], 2, -1)
+      q, k, v = (x @ layer[n] for n in ("q", "k", "v"))
+    x = x + _mix(q, k, v, cfg.num_heads, cfg.num_kv_heads) @ layer["o"]
+    if "gate_up" in layer:
+      g, u = jnp.split(x @ layer["gate_up"], 2, -1)
     else:
-      g, u = x @ w["gate"][layer], x @ w["up"][layer]
-    x = x + (jax.nn.silu(g) * u) @ w["down"][layer]
+      g, u = x @ layer["gate"], x @ layer["up"]
+    x = x + (jax.nn.silu(g) * u) @ layer["down"]
   return x
 
 
@@ -132,7 +133,7 @@ def main(argv):
   variants = [v for v in _VARIANTS.value if gpu or v not in GPU_ONLY]
   w = random_weights(cfg)
   fused = jax.jit(fuse)(w)
-  weight_bytes = sum(x.size * x.dtype.itemsize for x in w.values())
+  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(w))
   bw, rates = copy_ceiling()
   floor_us = weight_bytes / bw * 1e6
   print(f"{device_name()} | copy {bw / 1e9:.0f} GB/s | {_SHAPE.value}: {weight_bytes / 1e6:.1f} MB "

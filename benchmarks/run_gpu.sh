@@ -21,9 +21,10 @@
 #               BATCH the decode slots, default 128: the throughput goals' batch cap;
 #               SUFFIX is appended to the output file's name)
 #   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round
-#   levers      XLA command buffers (default, off, extended to WHILE/CONDITIONAL) on the scale
-#               workload at the 0.5B's shapes, 64 x 24K, one process per setting (SETTINGS,
-#               SHAPE, BATCH, CONTEXT, METHODS override)
+#   levers      XLA command buffers (default, off, extended to WHILE/CONDITIONAL) and fused
+#               q/k/v and gate/up GEMMs (fused: --fuse_projections) on the scale workload at the
+#               0.5B's shapes, 64 x 24K, one process per setting (SETTINGS, default "default off
+#               while"; SHAPE, BATCH, CONTEXT, METHODS override)
 #   draft       draft-model decoding, the 0.5B drafting for the 1.5B (both shipped and prepped:
 #               MODEL=0.5b prep, then MODEL=1.5b prep), against the 1.5B's vanilla and vegas in
 #               the same run; WORKLOAD short or long (default short), EOS honoured, sampled;
@@ -149,18 +150,20 @@ for step in "$@"; do
     levers)
       # Issue 14's launch-overhead lever, one process per setting (XLA reads its flags at start):
       # XLA's command buffers (CUDA graphs) as they come, switched off, and extended to the
-      # loop's control flow (+WHILE,+CONDITIONAL), on the scale workload at SHAPE (default the
-      # 0.5B's), BATCH x CONTEXT (default 64 x 24576), METHODS (default none,vegas:6); each
-      # JSON records its XLA_FLAGS.
+      # loop's control flow (+WHILE,+CONDITIONAL); and the fused projections. On the scale
+      # workload at SHAPE (default the 0.5B's), BATCH x CONTEXT (default 64 x 24576), METHODS
+      # (default none,vegas:6); each JSON records its XLA_FLAGS and fuse_projections.
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.8   # torch's copy (the ceiling) needs room beside JAX
       for setting in ${SETTINGS:-default off while}; do
         case $setting in
           default) flags= ;;
           off)     flags=--xla_gpu_enable_command_buffer= ;;
           while)   flags=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL ;;
-          *) echo "unknown setting $setting (default, off, while)"; exit 2 ;;
+          fused)   flags= ;;
+          *) echo "unknown setting $setting (default, off, while, fused)"; exit 2 ;;
         esac
-        XLA_FLAGS="${XLA_FLAGS:-} $flags" python3 -m benchmarks.throughput \
+        fuse=--nofuse_projections; [ $setting = fused ] && fuse=--fuse_projections
+        XLA_FLAGS="${XLA_FLAGS:-} $flags" python3 -m benchmarks.throughput $fuse \
           --model=random:${SHAPE:-qwen2.5-coder-0.5b} --workload=scale --batch=${BATCH:-64} \
           --context=${CONTEXT:-24576} --methods=${METHODS:-none,vegas:6} --gammas=default=6 \
           --out=$OUT/levers_$setting${SUFFIX:-}.json > $OUT/levers_$setting${SUFFIX:-}.log 2>&1

@@ -89,6 +89,7 @@ from jaxspec.engine.state import SpecState, capacity_for
 from jaxspec.io.loading import check_draft_pair
 from jaxspec.model.attention import default_backend
 from jaxspec.model.sharding import make_mesh
+from jaxspec.model.transformer import fuse_projections
 
 WORKLOADS = [*workloads.WORKLOADS, "scale"]
 DEFAULT_MAX_NEW = {"short": 4096, "long": 1024, "continuation": 1024}
@@ -162,8 +163,23 @@ _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: devices to shard the mo
 _PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.plan_profile): add "
                             "rows static-best and plan (run-time refinement); not with "
                             "--workload=scale")
+_FUSE = flags.DEFINE_bool("fuse_projections", False, "run the models with q/k/v and gate/up "
+                          "each fused into one GEMM (jaxspec.model.transformer.fuse_projections; "
+                          "one device)")
 _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a second device "
                                   "while the first one decodes (short and long workloads)")
+
+
+def _fuse(*models) -> None:
+  """--fuse_projections on every model given (None skipped)."""
+  if not _FUSE.value:
+    return
+  try:
+    for m in models:
+      if m is not None:
+        fuse_projections(m)
+  except ValueError as e:   # a tensor-parallel model
+    cli.fail("benchmarks.throughput", str(e))
 
 
 def parse_entry(entry: str) -> tuple[str, float, int]:
@@ -459,10 +475,12 @@ def main(argv):
                 sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
+                fuse_projections=_FUSE.value,
                 argv=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
     draft_model = load(_DRAFT_MODEL.value, _TP.value)[0] if _DRAFT_MODEL.value else None
+    _fuse(model, draft_model)
     bw, rates_gbps = copy_ceiling()
     header.update(copy_gbps=bw / 1e9, copy_rates_gbps=rates_gbps,
                   eos="not applicable: random weights, a fixed number of steps per call")
@@ -477,6 +495,7 @@ def main(argv):
     draft = load_model(_DRAFT_MODEL.value, dtype=jnp.bfloat16, tp=_TP.value)
     check_draft_pair(loaded, draft, _MODEL.value, _DRAFT_MODEL.value)
     draft_model = draft.model
+  _fuse(loaded.model, draft_model)
   max_new = _MAX_NEW.value or DEFAULT_MAX_NEW[workload]
   try:
     contexts = [requests.context_limit(m.cfg) for m in (loaded.model, draft_model) if m]

@@ -23,6 +23,8 @@ third return value is then None. No trained NSA weights exist here: `init_random
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -77,9 +79,14 @@ class Attention(nnx.Module):
     and k."""
     cfg = self.cfg
     b, t, _ = x.shape
-    q = constrain(self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim), mesh, HEADS)
-    k = constrain(self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), mesh, HEADS)
-    v = constrain(self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), mesh, HEADS)
+    if hasattr(self, "qkv_proj"):    # fuse_projections: one GEMM (one device only)
+      nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+      q, k, v = jnp.split(self.qkv_proj(x), [nq, nq + nkv], axis=-1)
+    else:
+      q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    q = constrain(q.reshape(b, t, cfg.num_heads, cfg.head_dim), mesh, HEADS)
+    k = constrain(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), mesh, HEADS)
+    v = constrain(v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), mesh, HEADS)
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -120,8 +127,11 @@ class MLP(nnx.Module):
     self.down_proj = _linear(i, h, False, dtype, param_dtype, rngs)
 
   def __call__(self, x, mesh):
-    return constrain(self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)), mesh,
-                     REPLICATED)
+    if hasattr(self, "gate_up_proj"):    # fuse_projections
+      gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+    else:
+      gate, up = self.gate_proj(x), self.up_proj(x)
+    return constrain(self.down_proj(jax.nn.silu(gate) * up), mesh, REPLICATED)
 
 
 class DecoderLayer(nnx.Module):
@@ -253,6 +263,44 @@ def init_random(cfg: ModelConfig, *, dtype=jnp.float32, seed: int = 0,
   nnx.replace_by_pure_dict(abstract, pure)
   model = nnx.merge(graphdef, abstract)
   model.mesh = mesh
+  return model
+
+
+class FusedLinear(nnx.Module):
+  """Several nnx.Linear layers of one input as one: their kernels (and biases) concatenated along
+  the outputs, computed as nnx.Linear computes (inputs and kernel in `dtype`)."""
+
+  def __init__(self, parts: Sequence[nnx.Linear]):
+    self.dtype = parts[0].dtype
+    self.kernel = nnx.Param(jnp.concatenate([p.kernel[...] for p in parts], axis=-1))
+    biased = [p.bias is not None for p in parts]
+    if any(biased) and not all(biased):
+      raise ValueError("fused projections need a bias on all or none of their parts")
+    self.bias = nnx.Param(jnp.concatenate([p.bias[...] for p in parts])) if all(biased) else None
+
+  def __call__(self, x):
+    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+def fuse_projections(model: Transformer) -> Transformer:
+  """Fuse each layer's q/k/v projections into one GEMM (`qkv_proj`) and gate/up into one
+  (`gate_up_proj`), in place; returns the model. It computes the same function (the same
+  products, one kernel each instead of three and two), and a decode step at 64-448 rows spends
+  less time in them (benchmarks/RESULTS.md, twentieth session). The parameter paths then no
+  longer mirror HF names, so convert or save a model before fusing it. Idempotent. One device
+  only: a tensor-parallel model splits q/k/v by heads and keeps them apart (a ValueError)."""
+  if model.mesh is not None:
+    raise ValueError("fuse_projections runs on a one-device model; a tensor-parallel model keeps "
+                     "its projections apart (its q/k/v shards are whole heads)")
+  for layer in model.layers:
+    attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(attn, "qkv_proj"):
+      attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+      del attn.q_proj, attn.k_proj, attn.v_proj
+    if not hasattr(mlp, "gate_up_proj"):
+      mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
+      del mlp.gate_proj, mlp.up_proj
   return model
 
 
