@@ -163,7 +163,9 @@ for step in "$@"; do
           *) echo "unknown setting $setting (default, off, while, fused)"; exit 2 ;;
         esac
         fuse=--nofuse_projections; [ $setting = fused ] && fuse=--fuse_projections
-        XLA_FLAGS="${XLA_FLAGS:-} $flags" python3 -m benchmarks.throughput $fuse \
+        # No stray blank: XLA reads an XLA_FLAGS that does not start with "--" as a file name.
+        xla_flags=$(echo ${XLA_FLAGS:-} $flags)
+        env ${xla_flags:+XLA_FLAGS="$xla_flags"} python3 -m benchmarks.throughput $fuse \
           --model=random:${SHAPE:-qwen2.5-coder-0.5b} --workload=scale --batch=${BATCH:-64} \
           --context=${CONTEXT:-24576} --methods=${METHODS:-none,vegas:6} --gammas=default=6 \
           --out=$OUT/levers_$setting${SUFFIX:-}.json > $OUT/levers_$setting${SUFFIX:-}.log 2>&1
