@@ -13,7 +13,10 @@ session spends elsewhere, all on the same runner:
                    of rounds (`extend_rounds`): a reply of R tokens at a tokens per round costs
                    R / a rounds;
   full_prefill_ms  prefilling context and turn, n + L tokens, from scratch (what a server without
-                   incremental prefill does: `Runner.start`, both models, dense).
+                   incremental prefill does: `Runner.start`, both models, dense);
+  dense_turn_ms    full_prefill_ms less the prefill of the context alone: what a dense prefill of
+                   the turn alone would cost (L rows over n + L causal keys, L tokens through the
+                   weights), with the same kernels; the engine has no dense append to time.
 Random weights by default (timing only: the masks' contents do not change the work). Like STS
 decoding, STS-PD CHANGES the target's output; this benchmark measures only time.
 """
@@ -90,6 +93,8 @@ def measure(target, draft, n: int, turn: int, batch: int, chunks: list[int], *, 
     return runner.start([c + t for c, t in zip(context, turns)], reply, max_len=max_len)[0]
 
   full_ms = _median_ms(full_prefill, reps)
+  context_ms = _median_ms(lambda: runner.start(context, reply, max_len=max_len)[0], reps)
+  dense_turn_ms = full_ms - context_ms
   rows = []
   for c in chunks:
     extend_ms = _median_ms(lambda: runner.extend(_copy(state), turns, reply, chunk=c)[0], reps)
@@ -97,10 +102,12 @@ def measure(target, draft, n: int, turn: int, batch: int, chunks: list[int], *, 
     round_ms = _median_ms(lambda: runner.step(_copy(after), rounds)[0], reps) / rounds
     rows.append(dict(context=n, turn=turn, batch=batch, chunk=c, budget=budget,
                      extend_ms=extend_ms, round_ms=round_ms, extend_rounds=extend_ms / round_ms,
-                     full_prefill_ms=full_ms, extend_over_full_prefill=extend_ms / full_ms))
+                     full_prefill_ms=full_ms, context_prefill_ms=context_ms,
+                     dense_turn_ms=dense_turn_ms, extend_over_full_prefill=extend_ms / full_ms,
+                     extend_over_dense_turn=extend_ms / dense_turn_ms))
     print(f"n={n:6d} L={turn:5d} B={batch:3d} C={c:4d}: extend {extend_ms:9.2f} ms "
           f"({extend_ms / round_ms:6.1f} rounds of {round_ms:.2f} ms), full prefill of n + L "
-          f"{full_ms:9.2f} ms", file=sys.stderr)
+          f"{full_ms:9.2f} ms, of the turn alone (dense) {dense_turn_ms:8.2f} ms", file=sys.stderr)
   return rows
 
 

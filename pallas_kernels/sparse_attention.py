@@ -287,6 +287,9 @@ def _sparse_unbatched(q, k, v, indices, counts, tail_start, length, tree=None, *
 # ----------------------------------------------------------------------------------------------
 # Public function
 
+# Packed query rows (T * G) one tile holds; more are run in slices of rows (a chain's only).
+MAX_ROWS = 128
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "interpret", "block_k", "num_splits", "tail_splits", "num_warps", "num_stages"))
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array,
@@ -297,7 +300,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
   """Pallas gathered sparse attention; same contract as sparse_attention_reference, `tree_bits`
   included (None compiles the chain's kernel, unchanged).
 
-  Returns [B,T,Hq,D] in q.dtype. Knobs: `block_k` gathered rows per tile (power of two >= 16),
+  Returns [B,T,Hq,D] in q.dtype. A chain of more than MAX_ROWS // G rows (STS-PD's chunks) runs
+  in slices of rows, each re-reading the selection. Knobs: `block_k` gathered rows per tile (power of two >= 16),
   `num_splits` chunks of the index list per (sequence, KV head) (default: ~4 programs per SM for
   T*G <= 16 query rows per KV head, ~8 above),
   `tail_splits` programs per (sequence, KV head) for the dense tail, Triton's `num_warps` and
@@ -313,6 +317,17 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
   if d < 16 or d & (d - 1):
     raise ValueError(f"head_dim must be a power of two >= 16 for tl.dot, got {d}")
   g = hq // hkv
+  rows = max(1, MAX_ROWS // g)
+  if tree_bits is None and t > rows:
+    # A tile holds every query row of a KV head, and past MAX_ROWS packed rows it outgrows shared
+    # memory (T = 64 rows of G = 6 at head_dim 128: 560 KB of 227). A chain's rows split exactly:
+    # rows t0.. see the same selection and the tail up to lengths + t0 + j.
+    knobs = dict(sm_scale=sm_scale, interpret=interpret, block_k=block_k,
+                 num_splits=num_splits, tail_splits=tail_splits, num_warps=num_warps,
+                 num_stages=num_stages)
+    return jnp.concatenate(
+        [sparse_attention(q[:, t0:t0 + rows], k, v, indices, counts, tail_start, lengths + t0,
+                          **knobs) for t0 in range(0, t, rows)], axis=1)
   scale = d ** -0.5 if sm_scale is None else sm_scale
   kk = indices.shape[-1]
   counts = jnp.clip(counts.astype(jnp.int32), 0, kk)

@@ -297,6 +297,8 @@ SPARSE_CASES = [
     (7, 7, 1, 64, False, 0, "zero", {}),                                  # K = 0: tail only
     (12, 2, 2, 128, True, 24, "zero", dict(block_k=16, tail_splits=3)),  # empty rows, GQA 1
     (12, 4, 1, 64, False, 33, "random", dict(block_k=16, num_splits=2, tail_splits=2)),
+    # T * G = 160 packed rows > MAX_ROWS: run as row slices of 32 and 8 (STS-PD's large chunks)
+    (40, 8, 2, 64, True, 20, "random", dict(block_k=16)),
 ]
 
 

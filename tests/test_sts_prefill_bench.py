@@ -18,6 +18,7 @@ def test_sts_prefill_benchmark_smoke(tmp_path):
   for r in rows:
     assert r["budget"] == 9 and min(r["extend_ms"], r["round_ms"], r["full_prefill_ms"]) > 0
     assert abs(r["extend_rounds"] - r["extend_ms"] / r["round_ms"]) < 1e-9
+    assert abs(r["dense_turn_ms"] - (r["full_prefill_ms"] - r["context_prefill_ms"])) < 1e-9
 
 
 def test_bad_budget_is_a_one_line_error(tmp_path):
