@@ -1,6 +1,6 @@
 """STS-PD's sparse prefill of an appended turn, timed: does prefill matter enough for a kernel?
 
-  python -m benchmarks.sts_prefill --contexts=16384,32768 --turns=512,2048 --chunks=16,64,256
+  python -m benchmarks.sts_prefill --contexts=16384,28672 --turns=512,2048 --chunks=16,64,256
   python -m benchmarks.sts_prefill --tiny --contexts=96 --turns=16 --chunks=4 --reps=1   # CPU smoke
 
 A session of B sequences holds a context of n tokens (random tokens, prefilled by `Runner.start`)
@@ -12,11 +12,13 @@ session spends elsewhere, all on the same runner:
   round_ms         one STS decoding round after it (γ = --gamma), so the prefill reads as a number
                    of rounds (`extend_rounds`): a reply of R tokens at a tokens per round costs
                    R / a rounds;
-  full_prefill_ms  prefilling context and turn, n + L tokens, from scratch (what a server without
-                   incremental prefill does: `Runner.start`, both models, dense);
-  dense_turn_ms    full_prefill_ms less the prefill of the context alone: what a dense prefill of
-                   the turn alone would cost (L rows over n + L causal keys, L tokens through the
-                   weights), with the same kernels; the engine has no dense append to time.
+  full_prefill_ms  a dense prefill of context and turn, n + L tokens, from scratch (what a server
+                   without incremental prefill does): both models' forward passes under the
+                   engine's prefill plan, at the exact length (the engine pads prompts to a power
+                   of two, which would hide the turn's cost);
+  dense_turn_ms    full_prefill_ms less the same prefill of the context alone: what a dense
+                   prefill of the turn alone costs (L rows over n + L causal keys, L tokens
+                   through the weights) with the same kernels; the engine has no dense append.
 Random weights by default (timing only: the masks' contents do not change the work). Like STS
 decoding, STS-PD CHANGES the target's output; this benchmark measures only time.
 """
@@ -32,18 +34,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from flax import nnx
 
 from benchmarks import sparse_eval as se
 from benchmarks.common import device_name, git_commit, load, write_json
 from jaxspec import cli
 from jaxspec.engine.runner import Runner
+from jaxspec.model.attention import Prefill
+from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
 
 _TARGET = flags.DEFINE_string("target", "random:qwen2.5-coder-1.5b", "random:<shape> or a model spec")
 _DRAFT = flags.DEFINE_string("draft", "random:qwen2.5-coder-0.5b", "random:<shape> or a model spec")
 _TINY = flags.DEFINE_bool("tiny", False, "the tiny random pair of benchmarks.sparse_eval (a CPU "
                           "smoke run: its numbers mean nothing)")
-_CONTEXTS = flags.DEFINE_list("contexts", ["16384", "32768"], "tokens in the session before the turn")
+_CONTEXTS = flags.DEFINE_list("contexts", ["16384", "28672"], "tokens in the session before the "
+                              "turn (with the turn and the reply within the model's context)")
 _TURNS = flags.DEFINE_list("turns", ["512", "2048"], "tokens in the appended turn")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8"], "sequences in the session")
 _CHUNKS = flags.DEFINE_list("chunks", ["16", "64", "256"], "C: turn rows sharing one selection")
@@ -75,6 +81,27 @@ def _median_ms(fn, reps: int) -> float:
   return statistics.median(times) * 1e3
 
 
+def dense_prefill_ms(target, draft, tokens: np.ndarray, reps: int, cache_dtype) -> float:
+  """Both models' dense prefill of tokens [B, S] into fresh caches (the engine's `Prefill` plan,
+  no padding), median ms."""
+  graphdefs, params = zip(*(nnx.split(m) for m in (target, draft)))
+  b, s = tokens.shape
+
+  @jax.jit
+  def run(params, tokens):
+    out = []
+    for g, p in zip(graphdefs, params):
+      model = nnx.merge(g, p)
+      cache = KVCache.create(model.cfg, b, se.capacity_for(s), cache_dtype)
+      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+      hidden, cache, _ = model(tokens, positions, cache, Prefill())
+      out.append((hidden[:, -1], cache))
+    return out
+
+  tokens = jnp.asarray(tokens, jnp.int32)
+  return _median_ms(lambda: run(params, tokens), reps)
+
+
 def measure(target, draft, n: int, turn: int, batch: int, chunks: list[int], *, budget: int,
             gamma: int, rounds: int, reps: int, cache_dtype=jnp.bfloat16, seed: int = 0
             ) -> list[dict]:
@@ -83,22 +110,20 @@ def measure(target, draft, n: int, turn: int, batch: int, chunks: list[int], *, 
                   stop_ids=(), cache_dtype=cache_dtype)
   rng = np.random.default_rng(seed)
   vocab = target.cfg.vocab_size
-  context = rng.integers(0, vocab, (batch, n)).tolist()
-  turns = rng.integers(0, vocab, (batch, turn)).tolist()
+  context = rng.integers(0, vocab, (batch, n))
+  turns = rng.integers(0, vocab, (batch, turn))
   reply = (rounds + 2) * (gamma + 1)
   max_len = n + turn + 1 + reply + max(chunks) + 2 * (gamma + 1)
-  state = jax.block_until_ready(runner.start(context, reply, max_len=max_len)[0])
+  state = jax.block_until_ready(runner.start(context.tolist(), reply, max_len=max_len)[0])
 
-  def full_prefill():
-    return runner.start([c + t for c, t in zip(context, turns)], reply, max_len=max_len)[0]
-
-  full_ms = _median_ms(full_prefill, reps)
-  context_ms = _median_ms(lambda: runner.start(context, reply, max_len=max_len)[0], reps)
+  full_ms = dense_prefill_ms(target, draft, np.concatenate([context, turns], 1), reps, cache_dtype)
+  context_ms = dense_prefill_ms(target, draft, np.asarray(context), reps, cache_dtype)
   dense_turn_ms = full_ms - context_ms
   rows = []
   for c in chunks:
-    extend_ms = _median_ms(lambda: runner.extend(_copy(state), turns, reply, chunk=c)[0], reps)
-    after = jax.block_until_ready(runner.extend(_copy(state), turns, reply, chunk=c)[0])
+    extend_ms = _median_ms(lambda: runner.extend(_copy(state), turns.tolist(), reply, chunk=c)[0],
+                           reps)
+    after = jax.block_until_ready(runner.extend(_copy(state), turns.tolist(), reply, chunk=c)[0])
     round_ms = _median_ms(lambda: runner.step(_copy(after), rounds)[0], reps) / rounds
     rows.append(dict(context=n, turn=turn, batch=batch, chunk=c, budget=budget,
                      extend_ms=extend_ms, round_ms=round_ms, extend_rounds=extend_ms / round_ms,
