@@ -40,7 +40,7 @@ from benchmarks import sparse_eval as se
 from benchmarks.common import device_name, git_commit, load, write_json
 from jaxspec import cli
 from jaxspec.engine.runner import Runner
-from jaxspec.model.attention import Prefill
+from jaxspec.model.attention import Prefill, default_backend
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
 
@@ -82,8 +82,8 @@ def _median_ms(fn, reps: int) -> float:
 
 
 def dense_prefill_ms(target, draft, tokens: np.ndarray, reps: int, cache_dtype) -> float:
-  """Both models' dense prefill of tokens [B, S] into fresh caches (the engine's `Prefill` plan,
-  no padding), median ms."""
+  """Both models' dense prefill of tokens [B, S] into fresh caches (the engine's `Prefill` plan
+  and attention backend: cuDNN's flash attention on a GPU; no padding), median ms."""
   graphdefs, params = zip(*(nnx.split(m) for m in (target, draft)))
   b, s = tokens.shape
 
@@ -94,7 +94,7 @@ def dense_prefill_ms(target, draft, tokens: np.ndarray, reps: int, cache_dtype) 
       model = nnx.merge(g, p)
       cache = KVCache.create(model.cfg, b, se.capacity_for(s), cache_dtype)
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-      hidden, cache, _ = model(tokens, positions, cache, Prefill())
+      hidden, cache, _ = model(tokens, positions, cache, Prefill(), default_backend())
       out.append((hidden[:, -1], cache))
     return out
 
