@@ -28,7 +28,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import flags
 
 from benchmarks.common import SHAPES, copy_ceiling, device_name, git_commit, time_fn, write_json

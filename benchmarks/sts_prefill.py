@@ -70,13 +70,16 @@ def _copy(state):
   return jax.block_until_ready(jax.tree.map(jnp.copy, state))
 
 
-def _median_ms(fn, reps: int) -> float:
-  """fn() -> a result to wait for; the first call (compiling) untimed."""
-  jax.block_until_ready(fn())
+def _median_ms(fn, reps: int, setup=None) -> float:
+  """fn(*setup()) -> a result to wait for; setup (a fresh copy of a donated state) untimed, and
+  the first call (compiling) too."""
+  setup = setup or tuple
+  jax.block_until_ready(fn(*setup()))
   times = []
   for _ in range(reps):
+    args = setup()
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
+    jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
   return statistics.median(times) * 1e3
 
@@ -121,10 +124,11 @@ def measure(target, draft, n: int, turn: int, batch: int, chunks: list[int], *, 
   dense_turn_ms = full_ms - context_ms
   rows = []
   for c in chunks:
-    extend_ms = _median_ms(lambda: runner.extend(_copy(state), turns.tolist(), reply, chunk=c)[0],
-                           reps)
+    extend_ms = _median_ms(lambda s: runner.extend(s, turns.tolist(), reply, chunk=c)[0], reps,
+                           setup=lambda: (_copy(state),))
     after = jax.block_until_ready(runner.extend(_copy(state), turns.tolist(), reply, chunk=c)[0])
-    round_ms = _median_ms(lambda: runner.step(_copy(after), rounds)[0], reps) / rounds
+    round_ms = _median_ms(lambda s: runner.step(s, rounds)[0], reps,
+                          setup=lambda: (_copy(after),)) / rounds
     rows.append(dict(context=n, turn=turn, batch=batch, chunk=c, budget=budget,
                      extend_ms=extend_ms, round_ms=round_ms, extend_rounds=extend_ms / round_ms,
                      full_prefill_ms=full_ms, context_prefill_ms=context_ms,
@@ -170,6 +174,7 @@ def main(argv):
         # Rewritten after every session shape, `complete` false until the last.
         write_json(_OUT.value, {"settings": settings, "results": rows, "complete": False})
   write_json(_OUT.value, {"settings": settings, "results": rows, "complete": True})
+
 
 if __name__ == "__main__":
   cli.run(main, "benchmarks.sts_prefill")

@@ -301,11 +301,10 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
   included (None compiles the chain's kernel, unchanged).
 
   Returns [B,T,Hq,D] in q.dtype. A chain of more than MAX_ROWS // G rows (STS-PD's chunks) runs
-  in slices of rows, each re-reading the selection. Knobs: `block_k` gathered rows per tile (power of two >= 16),
-  `num_splits` chunks of the index list per (sequence, KV head) (default: ~4 programs per SM for
-  T*G <= 16 query rows per KV head, ~8 above),
-  `tail_splits` programs per (sequence, KV head) for the dense tail, Triton's `num_warps` and
-  `num_stages`.
+  in slices of rows, each re-reading the selection. Knobs: `block_k` gathered rows per tile (power
+  of two >= 16), `num_splits` chunks of the index list per (sequence, KV head) (default: ~4
+  programs per SM for T*G <= 16 query rows per KV head, ~8 above), `tail_splits` programs per
+  (sequence, KV head) for the dense tail, Triton's `num_warps` and `num_stages`.
   """
   _check(q, k, v, indices, counts, tail_start, lengths)
   if block_k < 16 or block_k & (block_k - 1):
