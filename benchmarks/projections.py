@@ -41,13 +41,16 @@ VARIANTS = ("separate", "separate-nomerge", "fused", "cublas")
 GPU_ONLY = {"separate-nomerge": {"xla_gpu_dot_merger_threshold_mb": 0},
             "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
-_SHAPE = flags.DEFINE_string("shape", "qwen2.5-coder-0.5b", "a benchmarks/common.py SHAPES name, "
-                             "or tiny")
-_ROWS = flags.DEFINE_list("rows", ["64", "128", "448"], "rows per GEMM (B, or B x (gamma + 1))")
-_VARIANTS = flags.DEFINE_list("variants", list(VARIANTS), "of: " + ", ".join(VARIANTS))
-_STEPS = flags.DEFINE_integer("steps", 16, "forwards per timed call (one fori_loop)")
-_REPS = flags.DEFINE_integer("reps", 7, "timed calls (median)")
-_OUT = flags.DEFINE_string("out", "benchmarks/out/projections.json", "JSON results")
+
+def define_flags() -> None:
+  """The flags, defined only when run as a program: importing the module (the tests do) must not
+  collide with another benchmark's flags of the same names."""
+  flags.DEFINE_string("shape", "qwen2.5-coder-0.5b", "a benchmarks/common.py SHAPES name, or tiny")
+  flags.DEFINE_list("rows", ["64", "128", "448"], "rows per GEMM (B, or B x (gamma + 1))")
+  flags.DEFINE_list("variants", list(VARIANTS), "of: " + ", ".join(VARIANTS))
+  flags.DEFINE_integer("steps", 16, "forwards per timed call (one fori_loop)")
+  flags.DEFINE_integer("reps", 7, "timed calls (median)")
+  flags.DEFINE_string("out", "benchmarks/out/projections.json", "JSON results")
 
 
 def shape_config(name: str) -> ModelConfig:
@@ -118,32 +121,33 @@ def hlo_counts(text: str) -> dict[str, int]:
 
 def main(argv):
   del argv
+  fv = flags.FLAGS
   cli.quiet_logging()
   try:
-    cfg = shape_config(_SHAPE.value)
-    rows = [int(r) for r in _ROWS.value]
-    unknown = set(_VARIANTS.value) - set(VARIANTS)
-    if unknown or any(r < 1 for r in rows) or _STEPS.value < 1 or _REPS.value < 1:
+    cfg = shape_config(fv.shape)
+    rows = [int(r) for r in fv.rows]
+    unknown = set(fv.variants) - set(VARIANTS)
+    if unknown or any(r < 1 for r in rows) or fv.steps < 1 or fv.reps < 1:
       raise ValueError(f"--variants of {', '.join(VARIANTS)} (got {sorted(unknown)}); --rows, "
                        f"--steps and --reps >= 1")
   except ValueError as e:
     cli.fail("benchmarks.projections", str(e))
   gpu = jax.default_backend() == "gpu"
-  variants = [v for v in _VARIANTS.value if gpu or v not in GPU_ONLY]
+  variants = [v for v in fv.variants if gpu or v not in GPU_ONLY]
   w = random_weights(cfg)
   fused = jax.jit(fuse)(w)
   weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(w))
   bw, rates = copy_ceiling()
   floor_us = weight_bytes / bw * 1e6
-  print(f"{device_name()} | copy {bw / 1e9:.0f} GB/s | {_SHAPE.value}: {weight_bytes / 1e6:.1f} MB "
+  print(f"{device_name()} | copy {bw / 1e9:.0f} GB/s | {fv.shape}: {weight_bytes / 1e6:.1f} MB "
         f"of projections, floor {floor_us:.1f} us a forward", file=sys.stderr)
   results = []
   for m in rows:
     x = jax.random.normal(jax.random.PRNGKey(1), (m, cfg.hidden_size), jnp.bfloat16)
     for variant in variants:
       weights = fused if variant == "fused" else w
-      exe = compiled_loop(cfg, weights, x, _STEPS.value, GPU_ONLY.get(variant))
-      seconds = time_fn(lambda: exe(weights, x), warmup=2, reps=_REPS.value) / _STEPS.value
+      exe = compiled_loop(cfg, weights, x, fv.steps, GPU_ONLY.get(variant))
+      seconds = time_fn(lambda: exe(weights, x), warmup=2, reps=fv.reps) / fv.steps
       us = seconds * 1e6
       row = dict(rows=m, variant=variant, us_per_forward=us, gbps=weight_bytes / seconds / 1e9,
                  x_floor=us / floor_us, **hlo_counts(exe.as_text()))
@@ -151,13 +155,14 @@ def main(argv):
       print(f"M={m:5d} {variant:17s} {us:9.1f} us  {row['gbps']:7.0f} GB/s  "
             f"{row['x_floor']:5.2f}x floor  dots {row['dots']}  gemm calls {row['gemm_calls']}  "
             f"concatenates {row['concatenates']}", file=sys.stderr)
-  settings = dict(shape=_SHAPE.value, config=dataclasses.asdict(cfg), steps=_STEPS.value,
-                  reps=_REPS.value, weight_bytes=weight_bytes, copy_gbps=bw / 1e9,
+  settings = dict(shape=fv.shape, config=dataclasses.asdict(cfg), steps=fv.steps, reps=fv.reps,
+                  weight_bytes=weight_bytes, copy_gbps=bw / 1e9,
                   copy_rates_gbps=rates, floor_us=floor_us, device=device_name(),
                   commit=git_commit(), date=datetime.date.today().isoformat(),
                   jax=jax.__version__)
-  write_json(_OUT.value, {"settings": settings, "results": results})
+  write_json(fv.out, {"settings": settings, "results": results})
 
 
 if __name__ == "__main__":
+  define_flags()
   cli.run(main, "benchmarks.projections")
