@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU runs recorded in benchmarks/RESULTS.md, as they were made on the lent machine.
 # Weights travel as the GGUF file in chunks (../shared/tools/ship_chunks.sh) to /tmp/shipped/
-# (qwen05.gguf, or qwen15.gguf with MODEL=1.5b). Both at once in 27 calls (about 150 s of device
-# time): split the concatenation (0.5B first) into 58 MiB parts, append them to /tmp/shipped/all,
+# (qwen05.gguf, or qwen15.gguf with MODEL=1.5b). Both at once in 28 calls (about 190 s of held
+# time): split the concatenation (0.5B first) into 56 MiB parts (a part and the tracked tree must
+# fit one call's 64 MiB), append them to /tmp/shipped/all,
 # cut it at the 0.5B's 491,400,064 bytes (head -c / tail -c +491400065), check both sha256s;
 # the gguf package as a wheel in .whl/, the data files (../shared/data) in .data/.
 # Usage: bash benchmarks/run_gpu.sh STEP...
