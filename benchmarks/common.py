@@ -60,14 +60,18 @@ def git_commit() -> str:
     return "unknown"
 
 
-def time_fn(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10) -> float:
-  """Median wall seconds of fn() with the device synchronised around each call."""
+def time_fn(fn: Callable[..., object], *, warmup: int = 2, reps: int = 10,
+            setup: Callable[[], tuple] | None = None) -> float:
+  """Median wall seconds of fn(*setup()) with the device synchronised around each call; setup
+  (say, a fresh copy of a state fn donates) runs outside the timing."""
+  setup = setup or tuple
   for _ in range(warmup):
-    jax.block_until_ready(fn())
+    jax.block_until_ready(fn(*setup()))
   times = []
   for _ in range(reps):
+    args = setup()
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
+    jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +35,11 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import sparse_eval as se
-from benchmarks.common import device_name, git_commit, load, write_json
+from benchmarks.common import device_name, git_commit, load, time_fn, write_json
 from jaxspec import cli
 from jaxspec.engine.runner import Runner
 from jaxspec.model.attention import Prefill, default_backend
 from jaxspec.model.kv_cache import KVCache
-from jaxspec.model.transformer import init_random
 
 _TARGET = flags.DEFINE_string("target", "random:qwen2.5-coder-1.5b", "random:<shape> or a model spec")
 _DRAFT = flags.DEFINE_string("draft", "random:qwen2.5-coder-0.5b", "random:<shape> or a model spec")
@@ -62,7 +59,8 @@ _OUT = flags.DEFINE_string("out", "benchmarks/out/sts_prefill.json", "JSON resul
 
 def _pair():
   if _TINY.value:
-    return tuple(init_random(c, dtype=jnp.float32, seed=i) for i, c in enumerate(se.TINY))
+    pair = se.load_pair(None, None, True, jnp.float32)
+    return pair.target, pair.draft
   return load(_TARGET.value)[0], load(_DRAFT.value)[0]
 
 
@@ -71,17 +69,8 @@ def _copy(state):
 
 
 def _median_ms(fn, reps: int, setup=None) -> float:
-  """fn(*setup()) -> a result to wait for; setup (a fresh copy of a donated state) untimed, and
-  the first call (compiling) too."""
-  setup = setup or tuple
-  jax.block_until_ready(fn(*setup()))
-  times = []
-  for _ in range(reps):
-    args = setup()
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3
+  """common.time_fn in ms, one untimed call first (it compiles)."""
+  return time_fn(fn, warmup=1, reps=reps, setup=setup) * 1e3
 
 
 def dense_prefill_ms(target, draft, tokens: np.ndarray, reps: int, cache_dtype) -> float:

@@ -266,21 +266,18 @@ def init_random(cfg: ModelConfig, *, dtype=jnp.float32, seed: int = 0,
   return model
 
 
-class FusedLinear(nnx.Module):
-  """Several nnx.Linear layers of one input as one: their kernels (and biases) concatenated along
-  the outputs, computed as nnx.Linear computes (inputs and kernel in `dtype`)."""
-
-  def __init__(self, parts: Sequence[nnx.Linear]):
-    self.dtype = parts[0].dtype
-    self.kernel = nnx.Param(jnp.concatenate([p.kernel[...] for p in parts], axis=-1))
-    biased = [p.bias is not None for p in parts]
-    if any(biased) and not all(biased):
-      raise ValueError("fused projections need a bias on all or none of their parts")
-    self.bias = nnx.Param(jnp.concatenate([p.bias[...] for p in parts])) if all(biased) else None
-
-  def __call__(self, x):
-    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
-    return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+def _fused_linear(parts: Sequence[nnx.Linear]) -> nnx.Linear:
+  """One nnx.Linear for several of one input: their kernels (and biases) concatenated along the
+  outputs. Built abstract, then given the concatenated parameters (no random init)."""
+  kernel = jnp.concatenate([p.kernel[...] for p in parts], axis=-1)
+  first = parts[0]
+  fused = nnx.eval_shape(lambda: nnx.Linear(
+      kernel.shape[0], kernel.shape[1], use_bias=first.use_bias, dtype=first.dtype,
+      param_dtype=kernel.dtype, rngs=nnx.Rngs(0)))
+  fused.kernel = nnx.Param(kernel)
+  if first.use_bias:
+    fused.bias = nnx.Param(jnp.concatenate([p.bias[...] for p in parts]))
+  return fused
 
 
 def fuse_projections(model: Transformer) -> Transformer:
@@ -296,10 +293,10 @@ def fuse_projections(model: Transformer) -> Transformer:
   for layer in model.layers:
     attn, mlp = layer.self_attn, layer.mlp
     if not hasattr(attn, "qkv_proj"):
-      attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+      attn.qkv_proj = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
       del attn.q_proj, attn.k_proj, attn.v_proj
     if not hasattr(mlp, "gate_up_proj"):
-      mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
+      mlp.gate_up_proj = _fused_linear([mlp.gate_proj, mlp.up_proj])
       del mlp.gate_proj, mlp.up_proj
   return model
 
