@@ -2,7 +2,8 @@
 
 Parameter paths mirror HF names (`layers/3/self_attn/q_proj/kernel` for
 `model.layers.3.self_attn.q_proj.weight`, transposed), so the weight mapping tables in
-`jaxspec.io.weights` stay one line per tensor.
+`jaxspec.io.weights` stay one line per tensor. `fuse_projections` (opt-in, after loading) replaces
+q/k/v and gate/up by one `qkv_proj` and one `gate_up_proj` each.
 
 `Transformer.__call__(tokens, positions, cache, plan, backend)` runs T new tokens per sequence:
 `positions` [B, T] are their RoPE positions (a chain passes cache.lengths + t; a tree would pass
