@@ -30,8 +30,11 @@ decode: for --model (and --draft_model, unless --nodecode_draft), each --batch_s
     compiled `lax.while_loop`, no host round trip inside), timed with `jax.block_until_ready`
     around it (`benchmarks.common.time_fn`).
   Reported: ms per step, tokens/s (batch / step time), the mean context over the timed steps, the
-  ratio jaxspec tokens/s / HF tokens/s, and how much of each sequence's greedy continuation the
-  two frameworks share before the first difference. A shape that runs out of memory is recorded
+  bytes a step must read there (every weight once, each sequence's K/V) and the rate each side
+  read them at, its time over the floor (those bytes over the device's copy ceiling, measured at
+  the start of the run: `benchmarks.common.copy_ceiling`, in the JSON's `copy_gb_s`), the ratio
+  jaxspec tokens/s / HF tokens/s, and how much of each sequence's greedy continuation the two
+  frameworks share before the first difference. A shape that runs out of memory is recorded
   with its reason (`skipped`), not fatal; so is any other failure of one side at one shape.
 
 speculative: batch 1 on --prompts prompts of --workload (`benchmarks.workloads`: short = AIME25 /
@@ -85,9 +88,10 @@ import numpy as np
 import torch
 import transformers
 from absl import app, flags
+from flax import nnx
 
 from benchmarks import workloads
-from benchmarks.common import device_name, git_commit, time_fn, write_json
+from benchmarks.common import copy_ceiling, device_name, git_commit, time_fn, write_json
 from jaxspec import cli, fetch, requests
 from jaxspec.engine.batching import insert_slot
 from jaxspec.engine.runner import Runner
@@ -372,12 +376,19 @@ def decode_cases(sides: Sequence[Side], settings: Settings) -> list[dict]:
   cases = []
   for side in sides:
     cfg = side.jax.cfg
+    # What one decode step must read: every weight once (a tied LM head is the embedding), and
+    # each sequence's K/V.
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
+        nnx.state(side.jax.model, nnx.Param)))
+    kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                          * jnp.dtype(DTYPES[settings.dtype][0]).itemsize)
     vocab = min(cfg.vocab_size, side.hf.config.vocab_size)
     for b in settings.batch_sizes:
       for ctx in settings.contexts:
         t = prompt_length(ctx, requests.context_limit(cfg), new_tokens)
         cases.append(dict(side=side, model=side.name, batch=b, context=ctx, prompt_tokens=t,
-                          prompts=random_prompts(b, t, vocab, settings.seed + 1000 * b + ctx)))
+                          prompts=random_prompts(b, t, vocab, settings.seed + 1000 * b + ctx),
+                          weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes_per_token))
   return cases
 
 
@@ -416,9 +427,12 @@ def short(result: dict) -> str:
   return f"{result['step_ms']:.3f} ms/step, {result['tokens_per_s']:.1f} tok/s"
 
 
-def decode_rows(cases: list[dict]) -> list[dict]:
+def decode_rows(cases: list[dict], copy_rate: float | None = None) -> list[dict]:
   """The JSON rows: each side's figures (tokens left out), the ratio where both ran, and how far
-  the two greedy continuations agree."""
+  the two greedy continuations agree. Where the case knows its bytes (`decode_cases`), each
+  side's step also gets the bytes it must read at its mean context (`step_gb`), the rate it read
+  them at (`gb_s`) and, given the run's copy rate in bytes/s, its time over that floor
+  (`x_floor`)."""
   rows = []
   for case in cases:
     hf, js = case.get("hf", {}), case.get("jaxspec", {})
@@ -426,6 +440,13 @@ def decode_rows(cases: list[dict]) -> list[dict]:
                prompt_tokens=case["prompt_tokens"],
                hf={k: v for k, v in hf.items() if k != "tokens"},
                jaxspec={k: v for k, v in js.items() if k != "tokens"})
+    for side in (row["hf"], row["jaxspec"]):
+      if "step_ms" in side and "weight_bytes" in case:
+        step_bytes = (case["weight_bytes"]
+                      + case["batch"] * side["mean_context"] * case["kv_bytes_per_token"])
+        side.update(step_gb=step_bytes / 1e9, gb_s=step_bytes / side["step_ms"] / 1e6)
+        if copy_rate:
+          side["x_floor"] = side["step_ms"] / (step_bytes / copy_rate * 1e3)
     if "tokens_per_s" in hf and "tokens_per_s" in js:
       row["ratio"] = js["tokens_per_s"] / hf["tokens_per_s"]
       same = [first_difference(a, b) for a, b in zip(js["tokens"], hf["tokens"])]
@@ -630,9 +651,12 @@ def free_hf(sides: Sequence[Side]) -> float:
 
 
 def run(target: Side, draft: Side | None, settings: Settings,
-        checkpoint: Callable[[dict], None] = lambda payload: None) -> dict:
+        checkpoint: Callable[[dict], None] = lambda payload: None,
+        copy_rate: float | None = None) -> dict:
   """Both sections for the loaded models; HF's work first, then jaxspec's (module docstring).
-  `checkpoint(payload)` gets the results so far after each framework's part."""
+  `checkpoint(payload)` gets the results so far after each framework's part; `copy_rate` (the
+  device's copy ceiling in bytes/s, measured in the same run) puts each decode step against its
+  floor."""
   sides = [target] + ([draft] if draft is not None and settings.decode_draft else [])
   cases = decode_cases(sides, settings) if "decode" in settings.sections else []
   prompts, stop_ids = [], target.jax.stop_ids
@@ -642,7 +666,7 @@ def run(target: Side, draft: Side | None, settings: Settings,
   fixed = dict(spec_prompt_tokens=[len(p) for p in prompts], stop_ids=list(stop_ids))
 
   def assemble(hf_spec, js_spec):
-    payload = dict(fixed, decode=decode_rows(cases))
+    payload = dict(fixed, decode=decode_rows(cases, copy_rate))
     if prompts:
       payload["speculative"] = spec_payload({**hf_spec, **js_spec})
     payload["summary"] = summary(payload)
@@ -703,16 +727,18 @@ def plot(payload: dict, png_path: str) -> None:
 
 
 def print_tables(payload: dict) -> None:
-  print(f"\n{'model':<24} {'B':>3} {'ctx':>6} {'HF ms':>8} {'jaxspec ms':>10} {'ratio':>6} "
-        f"{'greedy same':>11}")
+  print(f"\n{'model':<24} {'B':>3} {'ctx':>6} {'HF ms (x floor)':>16} "
+        f"{'jaxspec ms (x floor)':>20} {'ratio':>6} {'greedy same':>11}")
   def cell(side: dict) -> str:
-    return f"{side['step_ms']:.3f}" if "step_ms" in side else side.get("skipped", "-")
+    if "step_ms" not in side:
+      return side.get("skipped", "-")
+    return f"{side['step_ms']:.3f}" + (f" ({side['x_floor']:.2f})" if "x_floor" in side else "")
 
   for r in payload.get("decode", []):
     hf, js = r["hf"], r["jaxspec"]
     same = r.get("greedy_prefix_share")
-    print(f"{Path(r['model']).name[:24]:<24} {r['batch']:>3} {r['context']:>6} {cell(hf):>8} "
-          f"{cell(js):>10} {r['ratio'] or float('nan'):>6.2f} "
+    print(f"{Path(r['model']).name[:24]:<24} {r['batch']:>3} {r['context']:>6} {cell(hf):>16} "
+          f"{cell(js):>20} {r['ratio'] or float('nan'):>6.2f} "
           f"{'-' if same is None else f'{same:.2f}':>11}")
   spec = payload.get("speculative")
   if spec:
@@ -832,6 +858,8 @@ def main(argv):
   if jax_kind != settings.device:
     cli.fail(prog, f"JAX runs on {jax.default_backend()} but --device={settings.device}: both "
                    "frameworks must share the device")
+  # The copy ceiling first, on a device nothing else holds yet: the decode floors' rate.
+  copy_rate, copy_rates = copy_ceiling()
   loaded: dict[Path, Side] = {}
   try:
     target = load_side(f.model, settings, loaded)
@@ -840,11 +868,12 @@ def main(argv):
       check_draft_pair(target.jax, draft.jax, f.model, f.draft_model)
   except (OSError, ValueError) as e:
     cli.fail(prog, str(e))
-  head = header(target, draft, settings)
+  head = dict(header(target, draft, settings), copy_gb_s=copy_rates)
   print(f"{head['device']} | torch {settings.device} | {settings.dtype} | HF compile "
         f"{settings.compile} | {f.model}" + (f" + draft {f.draft_model}" if draft else ""),
         file=sys.stderr)
-  payload = run(target, draft, settings, lambda p: write_json(f.out, dict(head, **p)))
+  payload = run(target, draft, settings, lambda p: write_json(f.out, dict(head, **p)),
+                copy_rate)
   payload = dict(head, **payload)
   write_json(f.out, payload)
   plot(payload, f.out.removesuffix(".json") + ".png")

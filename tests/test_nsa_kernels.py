@@ -19,6 +19,7 @@ from flax import nnx
 from jaxspec.drafting.trees import Tree
 from jaxspec.model import nsa
 from jaxspec.model.attention import Prefill
+from jaxspec.model.config import NSAConfig
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
 from pallas_kernels import nsa_attention as nk
@@ -218,6 +219,56 @@ def test_reuse_layer_takes_the_given_blocks():
   np.testing.assert_array_equal(np.asarray(used), np.asarray(own[:, ::-1]))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert not np.allclose(np.asarray(got), np.asarray(reference(q, k, v, lens, inputs)[0]))
+
+
+# Selection blocks of 16 keys fill the kernel's 16-key tile (no padded keys, as at the paper's
+# l' = 64), and a window of 40 spans several tiles, the middle ones seen whole by every row.
+WIDE_CFG = NSAConfig(compress_block=16, compress_stride=8, select_block=16, num_selected=4,
+                     window=40)
+WIDE_S = 192
+
+
+def wide_indices(rng, pos, hkv, cfg):
+  """[B, T, Hkv, n] ascending: block 0, the row's own block and n - 2 others before it."""
+  b, t = pos.shape
+  out = np.zeros((b, t, hkv, cfg.num_selected), np.int32)
+  for i in range(b):
+    for r in range(t):
+      cur = pos[i, r] // cfg.select_block
+      for h in range(hkv):
+        rest = rng.choice(np.arange(1, cur), cfg.num_selected - 2, replace=False)
+        out[i, r, h] = sorted({0, cur, *rest.tolist()})
+  return jnp.asarray(out)
+
+
+@pytest.mark.parametrize("name", ["chain", "tree-bfs"])
+def test_kernels_at_tile_sized_blocks_and_a_wide_window(name):
+  """At l' = 16 (a selection block fills a tile) and a 40-key window, the kernels (given blocks,
+  as a reuse layer takes them) match the reference each row alone, in merged groups of 4 and over
+  2 shares, and a merged group matches each row alone bit for bit (float32, interpret mode)."""
+  t, _, tree = LAYOUTS[name]
+  lengths = (150, 97)
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.normal(size=(2, t, HQ, D)) * 2, jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, WIDE_S, HKV, D)), jnp.float32) for _ in range(2))
+  wk, wv = (jnp.asarray(rng.normal(size=(HKV, 16, D, D)) * 0.1, jnp.float32) for _ in range(2))
+  c = nsa.num_compressed(WIDE_S, WIDE_CFG)
+  zeros = jnp.zeros((2, c, HKV, D))
+  ck, cv = extend(zeros, zeros, k, v, wk, wv, jnp.zeros((2,), jnp.int32), WIDE_S, WIDE_CFG)
+  bits = None if tree is None else jnp.asarray(tree.ancestor_bits)
+  lens = jnp.asarray(lengths, jnp.int32)
+  pos = np.asarray(nsa.layout(lens, t, bits).pos)
+  inputs = nsa.NSAInputs(gates=jnp.asarray(rng.uniform(size=(2, t, HQ, 3)), jnp.float32),
+                         ck=ck, cv=cv, wk=wk, wv=wv, cfg=WIDE_CFG,
+                         indices=wide_indices(rng, pos, HKV, WIDE_CFG))
+  want = np.asarray(reference(q, k, v, lens, inputs, tree_bits=bits)[0])
+  kp, vp = poisoned(k, lens, t), poisoned(v, lens, t)
+  for splits in (1, 2):
+    alone, merged = (np.asarray(kernels(q, kp, vp, lens, inputs, tree_bits=bits, group=group,
+                                        splits=splits, interpret=INTERPRET)[0])
+                     for group in (1, MERGED))
+    np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(merged, alone, **SAME_TILE_TOL)
 
 
 # ----------------------------------------------------------------------------------------------

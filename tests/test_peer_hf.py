@@ -37,7 +37,7 @@ def payload(weights_smollm2_gguf, torch_one_thread, tmp_path_factory):
                               device="cpu", compile=False, dtype="float32")
   target = peer_hf.load_side(str(weights_smollm2_gguf), settings)
   checkpoints = []
-  out = peer_hf.run(target, target, settings, checkpoints.append)
+  out = peer_hf.run(target, target, settings, checkpoints.append, copy_rate=1e10)
   assert target.hf is None   # HF's model is dropped before jaxspec runs
   assert len(checkpoints) == 1 and checkpoints[0]["decode"][0]["ratio"] is None   # HF's part only
   path = tmp_path_factory.mktemp("peer") / "peer_hf.json"
@@ -54,6 +54,14 @@ def test_decode_rows_time_both_frameworks_and_agree_in_float32(payload):
     assert side["step_ms"] > 0 and side["tokens_per_s"] == pytest.approx(2e3 / side["step_ms"])
     assert 64 < side["mean_context"] < 64 + 3 * 4   # inside the run's 3 windows of 3 steps
   assert len(hf["step_ms_windows"]) == 2
+  # The floor: SmolLM2's weights (tied head) and both rows' K/V at each side's mean context, over
+  # the 10 GB/s the run was given.
+  weights = 134_515_008 * 4
+  for side in (hf, js):
+    step_bytes = weights + 2 * side["mean_context"] * (2 * 30 * 3 * 64 * 4)
+    assert side["step_gb"] == pytest.approx(step_bytes / 1e9)
+    assert side["gb_s"] == pytest.approx(step_bytes / side["step_ms"] / 1e6)
+    assert side["x_floor"] == pytest.approx(side["step_ms"] / (step_bytes / 1e10 * 1e3))
   assert row["ratio"] == pytest.approx(js["tokens_per_s"] / hf["tokens_per_s"])
   # The greedy continuations of the same random prompts: jaxspec's first token and 2 windows of 3
   # steps against HF's, identical in float32 on both rows (chunked HF prefill, per-row jaxspec
