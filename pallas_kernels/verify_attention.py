@@ -67,7 +67,9 @@ run's device copy), Qwen3-8B layer shapes:
   decode T=1, B=4 x 131072: 501.7 us, 100.9% (torch SDPA 491.0);
   Collect-2 'logits' T=8: B=4 546.6 us (93.5%), B=16 x 32768 538.6 us (94.9%); T=12: B=16 559.8 us
   (91.3%), B=4 602.5 us (84.8%; 565-576 us at the current default, 24 splits, in the scores runs);
-  score collection over scores off: +7.7% to +18.1% (Qwen2.5-0.5B, T=5 and 8: +33%);
+  score collection over scores off: +7.7% to +18.1% (Qwen2.5-0.5B, T=5 and 8: +33%); in the
+  twenty-first session's run +8.3% (Qwen3-8B, T=12) and +21.5-22.6% (0.5B), the score's product,
+  sum and store lengthening each key block's step in a latency-bound loop (Nsight Compute);
   per-row scores, B=4 T=8: logits 870.4 us, weights 907.6, scores off 496.0.
 At Qwen2.5-0.5B shapes inside a Vegas round (B=64 x 24576, T=5; fifth session's trace): 235.5 us
 per layer with scores, 197.0 without. How the kernel got here: benchmarks/NOTES_kernels.md.
