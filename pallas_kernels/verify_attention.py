@@ -56,7 +56,8 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
   * scores off compiles the kernel without any score code: it costs nothing extra.
   * default block_k 128 (64 with 'logits' scores at head_dim < 128); default splits: at most ~4
     programs per SM (at head_dim 128 one program fills an SM, so a partial last wave costs a whole
-    one), ~6 for 'logits' scores with a 64-row query tile (measurements at `verify_attention`).
+    one), ~6 for 'logits' scores with a 64-row query tile, ~8 for a decode-sized tile (16 rows)
+    without scores at head_dim < 128 (measurements at `verify_attention`).
 
 Backend: Pallas's Triton lowering: the kernel streams at the copy rate (below), so Mosaic GPU has
 little left to win here and has no row gather on Hopper for `sparse_attention`. Deprecated from
@@ -88,6 +89,7 @@ from pallas_kernels import online_softmax
 from pallas_kernels.online_softmax import NEG_INF, combine_splits, default_splits, pow2_rows
 
 _SCORED_PROGRAMS = 792    # ~6 per SM: 'logits' scores with 64 query rows (see verify_attention)
+_SMALL_TILE_PROGRAMS = 1056   # ~8 per SM: a decode-sized query tile at head_dim < 128 (the same)
 
 
 def _check_shapes(q, k, v, lengths):
@@ -521,7 +523,8 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   tile (power of two >= 16; default 128, or 64 with 'logits' scores at head_dim < 128, at most
   the cache length rounded down to a power of two), `num_splits` splits of the sequence per
   (sequence, KV head) (default: at most ~4 programs per SM; ~6 with 'logits' scores and 64 or
-  more packed query rows), Triton's `num_warps` and `num_stages`.
+  more packed query rows; ~8 with scores off, 16 packed rows or fewer and head_dim < 128),
+  Triton's `num_warps` and `num_stages`.
   `weights_store`: collected 'weights' (not per row, no tree) from the main pass's stored logits
   rather than a second pass over K; None (the default) stores where that moves fewer bytes: the
   packed rows up to the last collected one, written and read back in f32, against one read of K
@@ -558,6 +561,11 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     # 16 splits 736 us, 24 565-576, 25 615, 32 581; B=16 x 32768: 4 splits 750, 5 564-568, 7 575,
     # 8 578-580; Qwen2.5-0.5B B=64 x 16384, T=5: 4 splits 240, 5 206-210, 7 215, 8 197-198.
     splits = default_splits(b * hkv, pl.cdiv(s, block_k), _SCORED_PROGRAMS, at_most=True)
+  elif score_kind is None and m_rows <= 16 and d < 128:
+    # A 16-row tile at head_dim 64 leaves room for more programs per SM than head_dim 128's one
+    # (an H200, Qwen2.5-0.5B decode B=64 x 24576, T=1: 4 splits 231.9 us, 81.5% of copy; 8 splits
+    # 208.9, 90.5%; 16 splits 208.1; 32 splits 212.3).
+    splits = default_splits(b * hkv, pl.cdiv(s, block_k), _SMALL_TILE_PROGRAMS, at_most=True)
   else:
     splits = default_splits(b * hkv, pl.cdiv(s, block_k), at_most=True)
 
