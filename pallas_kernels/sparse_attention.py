@@ -295,16 +295,18 @@ MAX_ROWS = 128
 def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array,
                      counts: jax.Array, tail_start: jax.Array, lengths: jax.Array, *,
                      sm_scale: float | None = None, interpret: bool = False, block_k: int = 32,
-                     num_splits: int | None = None, tail_splits: int = 2, num_warps: int = 4,
-                     num_stages: int = 3, tree_bits: jax.Array | None = None) -> jax.Array:
+                     num_splits: int | None = None, tail_splits: int = 2,
+                     num_warps: int | None = None, num_stages: int = 3,
+                     tree_bits: jax.Array | None = None) -> jax.Array:
   """Pallas gathered sparse attention; same contract as sparse_attention_reference, `tree_bits`
   included (None compiles the chain's kernel, unchanged).
 
   Returns [B,T,Hq,D] in q.dtype. A chain of more than MAX_ROWS // G rows (STS-PD's chunks) runs
   in slices of rows, each re-reading the selection. Knobs: `block_k` gathered rows per tile (power
   of two >= 16), `num_splits` chunks of the index list per (sequence, KV head) (default: ~4
-  programs per SM for T*G <= 16 query rows per KV head, ~8 above), `tail_splits` programs per
-  (sequence, KV head) for the dense tail, Triton's `num_warps` and `num_stages`.
+  programs per SM for T*G <= 16 query rows per KV head at head_dim 128, ~8 otherwise),
+  `tail_splits` programs per (sequence, KV head) for the dense tail, Triton's `num_warps`
+  (default 2 for T*G <= 16 rows at head_dim < 128, else 4) and `num_stages`.
   """
   _check(q, k, v, indices, counts, tail_start, lengths)
   if block_k < 16 or block_k & (block_k - 1):
@@ -336,7 +338,12 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
   m_rows = pow2_rows(t * g)
   # Measured on an H100 (benchmarks/NOTES_kernels.md): with one 16-row tile (T=1) ~4 programs
   # per SM is best; with 32+ rows each gathered block costs more arithmetic and ~8 per SM is.
-  programs = online_softmax.DEFAULT_PROGRAMS if m_rows <= 16 else 1024
+  # At head_dim 64 a 16-row tile is lighter still: on an H200, a Qwen2.5-0.5B draft step's layer
+  # (B=64 x 24576, 7% selected, T=1) took 25.2 us with ~8 programs per SM and 2 warps against
+  # 31.1 at ~4 and 4 warps (benchmarks/RESULTS.md, twenty-first session).
+  small = m_rows <= 16 and d < 128
+  programs = online_softmax.DEFAULT_PROGRAMS if m_rows <= 16 and not small else 1024
+  num_warps = num_warps or (2 if small else 4)
   splits = num_splits or default_splits(b * hkv, pl.cdiv(indices.shape[-1], block_k), programs)
   qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g
   tree = None
