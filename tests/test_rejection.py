@@ -125,6 +125,41 @@ def test_same_transforms_shape_p_and_q():
   assert chi2_pvalue(np.bincount(first, minlength=5), p) > 1e-3
 
 
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+                                SamplingParams(temperature=1.0, top_p=0.9),
+                                SamplingParams(temperature=0.7, top_k=5),
+                                SamplingParams(temperature=1.3)])
+def test_verification_from_logits_is_the_dense_rule(sp):
+  """`verify_drafts` takes p's thresholds, max and mass per position and builds one row of p per
+  sequence; `verify_sampled` takes the whole p. Same keys, same logits (with ties, as bf16 logits
+  have): the same verdicts, and the same tokens where the two p agree to float rounding."""
+  rng = np.random.default_rng(11)
+  b, v = 512, 300
+  target = jnp.asarray(np.round(rng.normal(size=(b, GAMMA + 1, v)) * 8) / 4, jnp.float32)
+  draft_logits = target[:, :GAMMA] + jnp.asarray(rng.normal(size=(b, GAMMA, v)), jnp.float32)
+  key_d, key_v = jax.random.split(jax.random.PRNGKey(12))
+  q = probabilities(draft_logits, sp)
+  drafts = jax.random.categorical(key_d, jnp.log(q), axis=-1).astype(jnp.int32)
+  fast = verify_drafts(key_v, drafts, q, target, sampling=sp)
+  dense = jax.jit(rejection.verify_sampled)(key_v, drafts, q, probabilities(target, sp))
+  np.testing.assert_array_equal(fast.accepted, dense.accepted)
+  np.testing.assert_array_equal(fast.next_token, dense.next_token)
+  assert 0 < int(fast.accepted.sum()) < b * GAMMA           # accepts and rejections both occur
+
+
+def test_min_p_verification_takes_the_dense_rule():
+  sp = SamplingParams(temperature=0.8, top_k=30, min_p=0.05)
+  rng = np.random.default_rng(13)
+  target = jnp.asarray(rng.normal(size=(64, GAMMA + 1, 50)) * 2, jnp.float32)
+  q = probabilities(target[:, :GAMMA] + 0.5, sp)
+  drafts = jnp.argmax(q, axis=-1).astype(jnp.int32)
+  key = jax.random.PRNGKey(14)
+  got = verify_drafts(key, drafts, q, target, sampling=sp)
+  want = rejection.verify_sampled(key, drafts, q, probabilities(target, sp))
+  np.testing.assert_array_equal(got.accepted, want.accepted)
+  np.testing.assert_array_equal(got.next_token, want.next_token)
+
+
 def test_sample_with_probs_is_sample_and_probabilities():
   """The draft step's one filtering pass gives the same token as `sample` and the same
   distribution as `probabilities`, which verification used to recompute from the logits."""

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.engine.sampling import SamplingParams, probabilities
+from jaxspec.engine.sampling import SamplingParams, keep_threshold, probabilities, scaled
 
 
 @struct.dataclass
@@ -78,14 +78,50 @@ def verify_sampled(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Arr
   return Verdict(accepted=accepted, next_token=sample_from_probs(k_resample, dist))
 
 
+def verify_sampled_logits(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
+                          target_logits: jax.Array, sampling: SamplingParams) -> Verdict:
+  """`verify_sampled` of `probabilities(target_logits, sampling)` without building p for every
+  position: temperature, top-k and top-p are thresholds on the scaled logits, so each position
+  needs only its threshold, max and kept mass (reductions over its logits), p at the drafted
+  tokens (a gather), and one whole row of p per sequence, where the next token is drawn. The
+  softmax is written as `jax.nn.softmax` writes it, and the random draws are verify_sampled's.
+  Not for min-p (a cut on probabilities; `verify_drafts` sends it to the dense path)."""
+  gamma = draft_tokens.shape[1]
+  k_accept, k_resample = jax.random.split(key)
+  x = scaled(target_logits, sampling)                                     # [B, gamma + 1, V]
+  thr = keep_threshold(x, sampling)                                       # [B, gamma + 1, 1]
+  m = jnp.max(x, axis=-1, keepdims=True)                                  # always kept
+  total = jnp.sum(jnp.where(x < thr, 0.0, jnp.exp(x - m)), axis=-1, keepdims=True)
+
+  def prob(xv, at):
+    """p at logits xv of positions `at` ([B, n] int32; xv [B, n, ...])."""
+    pick = lambda a: jnp.take_along_axis(a, at[..., None], axis=1)
+    return jnp.where(xv < pick(thr), 0.0, jnp.exp(xv - pick(m))) / pick(total)
+
+  drafted = jnp.arange(gamma)[None].repeat(draft_tokens.shape[0], 0)
+  px = prob(jnp.take_along_axis(x[:, :gamma], draft_tokens[..., None], axis=-1), drafted)[..., 0]
+  qx = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+  u = jax.random.uniform(k_accept, px.shape, jnp.float32)
+  accepted = leading_true(u * qx < px)
+  # The one row each sequence draws from: p at the first rejection (its residual) or the bonus.
+  at = accepted[:, None]
+  p_at = prob(jnp.take_along_axis(x, at[..., None], axis=1), at)[:, 0]     # [B, V]
+  q_at = jnp.take_along_axis(draft_probs, jnp.minimum(at, gamma - 1)[..., None], axis=1)[:, 0]
+  dist = jnp.where((accepted == gamma)[:, None], p_at, residual_distribution(p_at, q_at))
+  return Verdict(accepted=accepted, next_token=sample_from_probs(k_resample, dist))
+
+
 def verify_drafts(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array | None,
                   target_logits: jax.Array, sampling: SamplingParams) -> Verdict:
   """Accept/reject gamma drafts against the verification logits under `sampling`.
 
   draft_probs [B, gamma, V]: the distribution each draft was drawn from, i.e.
   `sampling.probabilities` of its logits (`sampling.sample_with_probs` returns it; unused, may be
-  None, when greedy). target_logits [B, gamma + 1, V] go through `sampling.probabilities` here.
+  None, when greedy). target_logits [B, gamma + 1, V] go through `sampling.probabilities`'s
+  transforms here (`verify_sampled_logits`; with min-p, `verify_sampled` of the whole p).
   """
   if sampling.greedy:
     return verify_greedy(draft_tokens, target_logits)
-  return verify_sampled(key, draft_tokens, draft_probs, probabilities(target_logits, sampling))
+  if sampling.min_p > 0.0:
+    return verify_sampled(key, draft_tokens, draft_probs, probabilities(target_logits, sampling))
+  return verify_sampled_logits(key, draft_tokens, draft_probs, target_logits, sampling)

@@ -52,29 +52,42 @@ def top_k_values(x: jax.Array, k: int, block: int = 128) -> jax.Array:
   return jax.lax.top_k(cand.reshape(*x.shape[:-1], k * block), k)[0]
 
 
-def filter_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
-  """Temperature, then top-k, top-p, min-p (HF's order). Removed entries become -inf. [..., V] f32."""
-  x = logits.astype(jnp.float32) / max(sp.temperature, 1e-6)
+def keep_threshold(x: jax.Array, sp: SamplingParams) -> jax.Array:
+  """The smallest value top-k and top-p keep in each row of temperature-scaled logits x [..., V]
+  (HF's order: top-k, then top-p over what it kept): [..., 1] f32, -inf where both are off. Both
+  filters keep exactly the entries at or above it."""
+  thr = jnp.full(x.shape[:-1] + (1,), -jnp.inf, jnp.float32)
   top = None
   if sp.top_k > 0 and sp.top_k < x.shape[-1]:
     top = top_k_values(x, sp.top_k)                           # [..., k], descending
-    kth = top[..., -1:]
-    x = jnp.where(x < kth, -jnp.inf, x)
+    thr = top[..., -1:]
   if sp.top_p < 1.0:
     # Keep the smallest set of top tokens whose mass reaches top_p (at least one token).
     if top is None:
       srt = jnp.sort(x, axis=-1)[..., ::-1]
-      log_z = jax.nn.logsumexp(srt, axis=-1, keepdims=True)
+      log_z = jax.nn.logsumexp(x, axis=-1, keepdims=True)
     else:
       # After top-k only the k values (plus ties with the k-th) survive: find the cut among them
       # instead of sorting the whole vocabulary, which dominated sampled draft steps.
       srt = top
-      log_z = jax.nn.logsumexp(x, axis=-1, keepdims=True)     # ties with the k-th count too
+      log_z = jax.nn.logsumexp(jnp.where(x < thr, -jnp.inf, x), axis=-1, keepdims=True)
     probs = jnp.exp(srt - log_z)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = mass_before < sp.top_p
-    threshold = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x < threshold, -jnp.inf, x)
+    thr = jnp.maximum(thr, jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True))
+  return thr
+
+
+def scaled(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """Logits over the temperature, in f32: what every filter compares."""
+  return logits.astype(jnp.float32) / max(sp.temperature, 1e-6)
+
+
+def filter_logits(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """Temperature, then top-k, top-p, min-p (HF's order). Removed entries become -inf. [..., V] f32."""
+  x = scaled(logits, sp)
+  if (sp.top_k > 0 and sp.top_k < x.shape[-1]) or sp.top_p < 1.0:
+    x = jnp.where(x < keep_threshold(x, sp), -jnp.inf, x)
   if sp.min_p > 0.0:
     probs = jax.nn.softmax(x, axis=-1)
     cut = sp.min_p * jnp.max(probs, axis=-1, keepdims=True)
