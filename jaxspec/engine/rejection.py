@@ -12,6 +12,8 @@ p and q both come from `sampling.probabilities`, so the same transforms (tempera
 min-p) shape both: the output follows the *transformed* target distribution, as plain sampling
 does. With greedy settings those probabilities are one-hot argmaxes and the rule reduces to argmax
 agreement; `verify_greedy` takes that path directly (no random numbers, no [B, gamma, V] tensors).
+Sampled verification (`verify_sampled_logits`) does not build p at every position either: it needs
+p only at the drafted tokens and in the one row each sequence draws its next token from.
 """
 from __future__ import annotations
 

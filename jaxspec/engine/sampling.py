@@ -65,7 +65,7 @@ def keep_threshold(x: jax.Array, sp: SamplingParams) -> jax.Array:
     # Keep the smallest set of top tokens whose mass reaches top_p (at least one token).
     if top is None:
       srt = jnp.sort(x, axis=-1)[..., ::-1]
-      log_z = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+      log_z = jax.nn.logsumexp(srt, axis=-1, keepdims=True)
     else:
       # After top-k only the k values (plus ties with the k-th) survive: find the cut among them
       # instead of sorting the whole vocabulary, which dominated sampled draft steps.
