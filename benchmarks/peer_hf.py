@@ -380,8 +380,7 @@ def decode_cases(sides: Sequence[Side], settings: Settings) -> list[dict]:
     # each sequence's K/V.
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(
         nnx.state(side.jax.model, nnx.Param)))
-    kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-                          * jnp.dtype(DTYPES[settings.dtype][0]).itemsize)
+    kv_bytes_per_token = cfg.kv_bytes_per_token // 2 * jnp.dtype(DTYPES[settings.dtype][0]).itemsize
     vocab = min(cfg.vocab_size, side.hf.config.vocab_size)
     for b in settings.batch_sizes:
       for ctx in settings.contexts:

@@ -89,7 +89,7 @@ from pallas_kernels import online_softmax
 from pallas_kernels.online_softmax import NEG_INF, combine_splits, default_splits, pow2_rows
 
 _SCORED_PROGRAMS = 792    # ~6 per SM: 'logits' scores with 64 query rows (see verify_attention)
-_SMALL_TILE_PROGRAMS = 1056   # ~8 per SM: a decode-sized query tile at head_dim < 128 (the same)
+_SMALL_TILE_PROGRAMS = 8 * online_softmax.SMS   # a decode-sized tile at head_dim < 128 (the same)
 
 
 def _check_shapes(q, k, v, lengths):

@@ -60,24 +60,36 @@ def verify_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Verdict:
   return Verdict(accepted=accepted, next_token=next_token)
 
 
+def _verdict(key: jax.Array, px: jax.Array, qx: jax.Array, draft_probs: jax.Array,
+             p_row) -> Verdict:
+  """The accept/resample rule from px, qx [B, gamma] (p and q at the drafted tokens) and
+  p_row(at [B] int32 in [0, gamma]) -> p at position `at` of each sequence [B, V]."""
+  gamma = px.shape[1]
+  k_accept, k_resample = jax.random.split(key)
+  u = jax.random.uniform(k_accept, px.shape, jnp.float32)
+  # u < p/q written without the division: q(x) > 0 for a token drawn from q.
+  accepted = leading_true(u * qx < px)
+  # The distribution of the next token: the residual at the first rejection, else the bonus p.
+  p_at = p_row(accepted)
+  q_at = jnp.take_along_axis(draft_probs, jnp.minimum(accepted, gamma - 1)[:, None, None],
+                             axis=1)[:, 0]
+  dist = jnp.where((accepted == gamma)[:, None], p_at, residual_distribution(p_at, q_at))
+  return Verdict(accepted=accepted, next_token=sample_from_probs(k_resample, dist))
+
+
+def _at(a: jax.Array, at: jax.Array) -> jax.Array:
+  """a [B, P, ...] at position at[b] of each sequence -> [B, ...]."""
+  return jnp.take_along_axis(a, at.reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)[:, 0]
+
+
 def verify_sampled(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
                    target_probs: jax.Array) -> Verdict:
   """Speculative sampling from probabilities: draft_tokens [B, gamma] drawn from draft_probs
   q [B, gamma, V]; target_probs p [B, gamma + 1, V]."""
   gamma = draft_tokens.shape[1]
-  k_accept, k_resample = jax.random.split(key)
-  p_draft = target_probs[:, :gamma]
-  px = jnp.take_along_axis(p_draft, draft_tokens[..., None], axis=-1)[..., 0]   # [B, gamma]
+  px = jnp.take_along_axis(target_probs[:, :gamma], draft_tokens[..., None], axis=-1)[..., 0]
   qx = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
-  u = jax.random.uniform(k_accept, px.shape, jnp.float32)
-  # u < p/q written without the division: q(x) > 0 for a token drawn from q.
-  accepted = leading_true(u * qx < px)
-  # The distribution of the next token: the residual at the first rejection, else the bonus p.
-  at = jnp.minimum(accepted, gamma - 1)[:, None, None]
-  residual = residual_distribution(jnp.take_along_axis(p_draft, at, axis=1)[:, 0],
-                                   jnp.take_along_axis(draft_probs, at, axis=1)[:, 0])
-  dist = jnp.where((accepted == gamma)[:, None], target_probs[:, gamma], residual)
-  return Verdict(accepted=accepted, next_token=sample_from_probs(k_resample, dist))
+  return _verdict(key, px, qx, draft_probs, lambda at: _at(target_probs, at))
 
 
 def verify_sampled_logits(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
@@ -89,28 +101,19 @@ def verify_sampled_logits(key: jax.Array, draft_tokens: jax.Array, draft_probs: 
   softmax is written as `jax.nn.softmax` writes it, and the random draws are verify_sampled's.
   Not for min-p (a cut on probabilities; `verify_drafts` sends it to the dense path)."""
   gamma = draft_tokens.shape[1]
-  k_accept, k_resample = jax.random.split(key)
   x = scaled(target_logits, sampling)                                     # [B, gamma + 1, V]
   thr = keep_threshold(x, sampling)                                       # [B, gamma + 1, 1]
   m = jnp.max(x, axis=-1, keepdims=True)                                  # always kept
   total = jnp.sum(jnp.where(x < thr, 0.0, jnp.exp(x - m)), axis=-1, keepdims=True)
 
-  def prob(xv, at):
-    """p at logits xv of positions `at` ([B, n] int32; xv [B, n, ...])."""
-    pick = lambda a: jnp.take_along_axis(a, at[..., None], axis=1)
-    return jnp.where(xv < pick(thr), 0.0, jnp.exp(xv - pick(m))) / pick(total)
+  def prob(xv, thr, m, total):
+    return jnp.where(xv < thr, 0.0, jnp.exp(xv - m)) / total
 
-  drafted = jnp.arange(gamma)[None].repeat(draft_tokens.shape[0], 0)
-  px = prob(jnp.take_along_axis(x[:, :gamma], draft_tokens[..., None], axis=-1), drafted)[..., 0]
+  xd = jnp.take_along_axis(x[:, :gamma], draft_tokens[..., None], axis=-1)
+  px = prob(xd, thr[:, :gamma], m[:, :gamma], total[:, :gamma])[..., 0]
   qx = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
-  u = jax.random.uniform(k_accept, px.shape, jnp.float32)
-  accepted = leading_true(u * qx < px)
-  # The one row each sequence draws from: p at the first rejection (its residual) or the bonus.
-  at = accepted[:, None]
-  p_at = prob(jnp.take_along_axis(x, at[..., None], axis=1), at)[:, 0]     # [B, V]
-  q_at = jnp.take_along_axis(draft_probs, jnp.minimum(at, gamma - 1)[..., None], axis=1)[:, 0]
-  dist = jnp.where((accepted == gamma)[:, None], p_at, residual_distribution(p_at, q_at))
-  return Verdict(accepted=accepted, next_token=sample_from_probs(k_resample, dist))
+  return _verdict(key, px, qx, draft_probs,
+                  lambda at: prob(*(_at(a, at) for a in (x, thr, m, total))))
 
 
 def verify_drafts(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array | None,
