@@ -170,3 +170,23 @@ def test_sample_with_probs_is_sample_and_probabilities():
   np.testing.assert_array_equal(tokens, sampling.sample(key, logits, sp))
   np.testing.assert_array_equal(probs, probabilities(logits, sp))
   assert int((probs[0] > 0).sum()) <= 5
+
+
+def test_draw_follows_the_probabilities_and_never_a_zero():
+  """`sampling.draw`, the two-level inverse-transform sampler every token is drawn with: over a
+  vocabulary that is not a whole number of blocks, with whole blocks of zeros between the kept
+  entries, unnormalised rows, and a row with a single kept entry in its last block."""
+  v = 3 * sampling.DRAW_BLOCK + 37
+  rng = np.random.default_rng(21)
+  probs = np.zeros((2, v), np.float32)
+  kept = np.array([0, 5, sampling.DRAW_BLOCK + 1, 3 * sampling.DRAW_BLOCK + 36])   # block 2 empty
+  probs[0, kept] = rng.dirichlet(np.ones(len(kept))) * 3.0
+  probs[1, v - 1] = 0.25
+  n = 100_000
+  rows = jnp.broadcast_to(jnp.asarray(probs[0]), (n, v))
+  tokens = np.asarray(jax.jit(sampling.draw)(jax.random.PRNGKey(3), rows))
+  assert chi2_pvalue(np.bincount(tokens, minlength=v), probs[0] / probs[0].sum()) > 1e-3
+  np.testing.assert_array_equal(sampling.draw(jax.random.PRNGKey(4), jnp.asarray(probs[1:])),
+                                [v - 1])
+  # Leading axes are kept.
+  assert sampling.draw(jax.random.PRNGKey(5), jnp.ones((2, 3, v))).shape == (2, 3)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.engine.sampling import SamplingParams, keep_threshold, probabilities, scaled
+from jaxspec.engine.sampling import SamplingParams, draw, keep_threshold, probabilities, scaled
 
 
 @struct.dataclass
@@ -44,8 +44,8 @@ def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
-  """One token per row of probs [..., V] -> int32 [...]."""
-  return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+  """One token per row of probs [..., V] -> int32 [...] (`sampling.draw`)."""
+  return draw(key, probs)
 
 
 def verify_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Verdict:

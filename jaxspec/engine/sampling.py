@@ -102,6 +102,42 @@ def probabilities(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   return jax.nn.softmax(filter_logits(logits, sp), axis=-1)
 
 
+DRAW_BLOCK = 128   # vocabulary entries per block in `draw`'s two-level search
+
+
+def draw(key: jax.Array, probs: jax.Array) -> jax.Array:
+  """One index per row of probs [..., V] (non-negative, not all zero; need not sum to one),
+  index i with probability probs[i] / sum(probs): int32 [...].
+
+  Inverse transform sampling with one uniform per row, searched in two levels: the masses of
+  blocks of DRAW_BLOCK entries and their running sum pick the block, the running sum inside it
+  the entry. `jax.random.categorical` draws a Gumbel variate for every entry instead: at 128 rows
+  of a 152K vocabulary that is 19M threefry draws, about 140 us on an H200, where this reads the
+  row once. A zero-probability entry is never returned, rounding included: the search takes the
+  first block, and the first entry, with positive mass whose running sum passes the target, and
+  the last positive one if rounding leaves the target past them all."""
+  lead, v = probs.shape[:-1], probs.shape[-1]
+  p = probs.reshape(-1, v).astype(jnp.float32)
+  n_blocks = -(-v // DRAW_BLOCK)
+  p = jnp.pad(p, ((0, 0), (0, n_blocks * DRAW_BLOCK - v))).reshape(-1, n_blocks, DRAW_BLOCK)
+  mass = jnp.sum(p, axis=-1)                                                 # [R, n_blocks]
+  cum = jnp.cumsum(mass, axis=-1)
+  target = jax.random.uniform(key, cum.shape[:1], jnp.float32) * cum[:, -1]
+
+  def first_past(running, weights, t):
+    """The first position with positive weight whose running sum exceeds t, else the last
+    position with positive weight."""
+    hit = (running > t[:, None]) & (weights > 0)
+    last = weights.shape[-1] - 1 - jnp.argmax((weights > 0)[:, ::-1], axis=-1)
+    return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last)
+
+  blk = first_past(cum, mass, target)
+  inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]          # [R, DRAW_BLOCK]
+  before = jnp.take_along_axis(cum - mass, blk[:, None], axis=1)[:, 0]
+  idx = blk * DRAW_BLOCK + first_past(jnp.cumsum(inner, axis=-1), inner, target - before)
+  return idx.astype(jnp.int32).reshape(lead)
+
+
 def sample(key: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
   """Draw one token per row of logits [..., V] -> int32 [...]."""
   if sp.greedy:
@@ -113,5 +149,5 @@ def sample_with_probs(key: jax.Array, logits: jax.Array, sp: SamplingParams
                       ) -> tuple[jax.Array, jax.Array]:
   """`sample` (not greedy) plus the distribution it drew from, `probabilities(logits, sp)`: the
   draft step keeps it for verification, so its logits are filtered once, not twice."""
-  x = filter_logits(logits, sp)
-  return jax.random.categorical(key, x, axis=-1).astype(jnp.int32), jax.nn.softmax(x, axis=-1)
+  probs = jax.nn.softmax(filter_logits(logits, sp), axis=-1)
+  return draw(key, probs), probs
