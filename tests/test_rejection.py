@@ -188,5 +188,6 @@ def test_draw_follows_the_probabilities_and_never_a_zero():
   assert chi2_pvalue(np.bincount(tokens, minlength=v), probs[0] / probs[0].sum()) > 1e-3
   np.testing.assert_array_equal(sampling.draw(jax.random.PRNGKey(4), jnp.asarray(probs[1:])),
                                 [v - 1])
-  # Leading axes are kept.
+  # Leading axes are kept; a row with nothing to draw still gives a token of the vocabulary.
   assert sampling.draw(jax.random.PRNGKey(5), jnp.ones((2, 3, v))).shape == (2, 3)
+  assert int(sampling.draw(jax.random.PRNGKey(6), jnp.zeros((1, v)))[0]) < v

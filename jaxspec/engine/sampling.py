@@ -135,7 +135,8 @@ def draw(key: jax.Array, probs: jax.Array) -> jax.Array:
   inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]          # [R, DRAW_BLOCK]
   before = jnp.take_along_axis(cum - mass, blk[:, None], axis=1)[:, 0]
   idx = blk * DRAW_BLOCK + first_past(jnp.cumsum(inner, axis=-1), inner, target - before)
-  return idx.astype(jnp.int32).reshape(lead)
+  # A row with no positive entry (all zero, or NaN) would land in the padding: keep it a token.
+  return jnp.minimum(idx, v - 1).astype(jnp.int32).reshape(lead)
 
 
 def sample(key: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
