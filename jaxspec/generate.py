@@ -133,6 +133,10 @@ _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for dr
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas criticality scores")
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: shard the model (and the draft model) "
                            "over this many devices, by attention head and MLP column")
+_FUSE = flags.DEFINE_bool("fuse_projections", True, "run each layer's q/k/v and gate/up "
+                          "projections as one GEMM each (the same function in fewer, larger "
+                          "kernels: jaxspec.model.transformer.fuse_projections); on one device "
+                          "only, so --tp > 1 keeps them apart")
 
 
 def fail(message: str):
@@ -337,6 +341,7 @@ def main(argv):
   prompts = read_prompts()
   from jaxspec.engine.runner import Runner
   from jaxspec.io.loading import apply_chat_template, check_draft_pair, load_model
+  from jaxspec.model.transformer import fuse_projections
   dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
   try:
     loaded = load_model(_MODEL.value, dtype=dtype, tp=_TP.value)
@@ -353,6 +358,10 @@ def main(argv):
     plan_ssv = planner is not None and planner.strategies[0].method == "ssv"
     ssv_class = planner.strategies[0].ssv_class if plan_ssv else _SSV_CLASS.value
     refresh = ssv_refresh(loaded, ssv_class) if _METHOD.value == "ssv" or plan_ssv else None
+    if _FUSE.value and _TP.value == 1:
+      for m in (loaded.model, draft and draft.model):
+        if m is not None:
+          fuse_projections(m)
   except (OSError, ValueError) as e:
     fail(str(e))
   tok = loaded.tokenizer

@@ -139,6 +139,17 @@ def test_stats_line_counts_every_new_token_and_names_the_method_once(weights_smo
   assert stats.count("method") == 1 and "method vegas" in stats
 
 
+def test_fused_and_separate_projections_generate_the_same_text(weights_smollm2_ckpt):
+  """On one device generate runs q/k/v and gate/up as one GEMM each unless told not to; in
+  float32 the greedy text is the same either way."""
+  args = (f"--model={weights_smollm2_ckpt}", "--dtype=float32", "--max_new_tokens=12",
+          "--prompt=One, two, three, four,")
+  fused, apart = run_cli(*args), run_cli(*args, "--nofuse_projections")
+  assert fused.returncode == 0, fused.stderr[-2000:]
+  assert apart.returncode == 0, apart.stderr[-2000:]
+  assert fused.stdout.strip() and fused.stdout == apart.stdout
+
+
 def test_prompt_past_the_model_s_context(weights_smollm2_ckpt, tmp_path):
   res = run_cli(f"--model={weights_smollm2_ckpt}", "--prompt=hi", "--max_len=100000")
   assert res.returncode == 1
