@@ -342,7 +342,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
   # (B=64 x 24576, 7% selected, T=1) took 25.2 us with ~8 programs per SM and 2 warps against
   # 31.1 at ~4 and 4 warps (benchmarks/RESULTS.md, twenty-first session).
   small = m_rows <= 16 and d < 128
-  programs = online_softmax.DEFAULT_PROGRAMS if m_rows <= 16 and d >= 128 else 1024
+  programs = online_softmax.DEFAULT_PROGRAMS if m_rows <= 16 and not small else 1024
   num_warps = num_warps or (2 if small else 4)
   splits = num_splits or default_splits(b * hkv, pl.cdiv(indices.shape[-1], block_k), programs)
   qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g

@@ -43,11 +43,6 @@ def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:
   return jnp.where(total > 0, r / jnp.where(total > 0, total, 1.0), p)
 
 
-def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
-  """One token per row of probs [..., V] -> int32 [...] (`sampling.draw`)."""
-  return draw(key, probs)
-
-
 def verify_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Verdict:
   """Greedy verification: accept drafts while they equal the target argmax; the next token is the
   target argmax at the first mismatch (the correction) or after the last draft (the bonus).
@@ -74,7 +69,7 @@ def _verdict(key: jax.Array, px: jax.Array, qx: jax.Array, draft_probs: jax.Arra
   q_at = jnp.take_along_axis(draft_probs, jnp.minimum(accepted, gamma - 1)[:, None, None],
                              axis=1)[:, 0]
   dist = jnp.where((accepted == gamma)[:, None], p_at, residual_distribution(p_at, q_at))
-  return Verdict(accepted=accepted, next_token=sample_from_probs(k_resample, dist))
+  return Verdict(accepted=accepted, next_token=draw(k_resample, dist))
 
 
 def _at(a: jax.Array, at: jax.Array) -> jax.Array:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.engine import rejection
-from jaxspec.engine.sampling import SamplingParams, probabilities
+from jaxspec.engine.sampling import SamplingParams, draw, probabilities
 from jaxspec.drafting.trees import Tree, accepted_path
 
 SIBLINGS = ("iid", "without_replacement", "deterministic")
@@ -149,7 +149,7 @@ def verify_tree_sampled(key: jax.Array, tree: Tree, tokens: jax.Array,
   # A loop over depth rather than an unrolled walk: it compiles several times faster (CPU).
   init = (jnp.zeros((b,), jnp.int32), target_probs[:, 0], jnp.ones((b,), bool))
   cur, r, _ = jax.lax.fori_loop(0, depth, level, init)
-  next_token = rejection.sample_from_probs(k_resample, r)
+  next_token = draw(k_resample, r)
   return TreeVerdict(accepted=jnp.asarray(tree.depths)[cur], last_node=cur,
                      next_token=next_token)
 
