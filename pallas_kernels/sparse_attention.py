@@ -35,7 +35,8 @@ selected row once for all query rows of its KV head:
     them (`online_softmax`: the query tile, the split count and the combine are shared).
   * defaults (measured on an H100, benchmarks/NOTES_kernels.md): block_k 32 rows per gather; about
     4 programs per SM for T*G <= 16 query rows and 8 above, where each gathered block carries more
-    arithmetic (T = 8: 221 us with 8 splits against 271 with 5).
+    arithmetic (T = 8: 221 us with 8 splits against 271 with 5); at head_dim < 128 a 16-row tile
+    runs with 2 warps and about 8 programs per SM (an H200, benchmarks/RESULTS.md).
 
 Backend: Pallas's Triton lowering. Mosaic GPU cannot gather rows from global memory on Hopper (its
 TMA copies are tiled boxes; a per-row gather is Blackwell-only), and a page size of 1 rules out
