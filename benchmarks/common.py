@@ -273,6 +273,18 @@ def filled_state(cfg, batch: int, context: int, capacity: int, steps_total: int,
 IGNORE_EOS_TAG = "(ignore_eos)"
 
 
+def error_text(e: BaseException, limit: int = 300) -> str:
+  """A result row's error: 'Type: message' (the message cut at `limit`). An out-of-memory error
+  starts with what to change, since JAX's default preallocation (75% of the GPU) is often what ran
+  out at a KV-filling batch."""
+  text = f"{type(e).__name__}: {str(e)[:limit]}"
+  if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset (JAX takes 0.75)")
+    text = (f"out of GPU memory with XLA_PYTHON_CLIENT_MEM_FRACTION {fraction}: raise it "
+            f"(benchmarks/run_gpu.sh sets 0.95) or lower --batch or the context; {text}")
+  return text
+
+
 def eos_label(label: str, ignore_eos: bool) -> str:
   """`label` marked ' (ignore_eos)' for a run that ignored end-of-sequence tokens: such a run is
   a stress mode (every request runs to max_new_tokens), and its labels, JSON and plot titles say

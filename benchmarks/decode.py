@@ -17,7 +17,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from benchmarks.common import (copy_ceiling, device_name, filled_state, git_commit, load,
+from benchmarks.common import (copy_ceiling, device_name, error_text, filled_state, git_commit, load,
                                time_fn, write_json)
 from jaxspec import cli
 from jaxspec.model.attention import default_backend
@@ -69,7 +69,7 @@ def main(argv):
                    step_over_floor=t / floor)
         state = holder = None  # free this case's cache before the next one
       except Exception as e:  # keep the other cases (e.g. out of memory at the largest)
-        row = dict(batch=b, context=ctx, error=f"{type(e).__name__}: {str(e)[:300]}")
+        row = dict(batch=b, context=ctx, error=error_text(e))
       rows.append(row)
       print(row, file=sys.stderr)
   write_json(_OUT.value, dict(device=device_name(), commit=git_commit(), model=_MODEL.value,

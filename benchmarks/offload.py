@@ -40,7 +40,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from benchmarks.common import device_name, git_commit, load, time_fn, write_json
+from benchmarks.common import device_name, error_text, git_commit, load, time_fn, write_json
 from jaxspec import cli
 from jaxspec.engine import offload
 from jaxspec.engine.state import capacity_for
@@ -189,7 +189,7 @@ def main(argv):
                            step_over_floor=t / floor, achieved_gbps=copied / t / 1e9,
                            rel_err_vs_device=rel))
     except Exception as e:   # keep the other modes (e.g. a host computation XLA refuses)
-      out_rows.append(dict(mode=mode, error=f"{type(e).__name__}: {str(e)[:500]}"))
+      out_rows.append(dict(mode=mode, error=error_text(e, 500)))
     print(out_rows[-1], file=sys.stderr)
 
   parts = {}

@@ -76,8 +76,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks import workloads
-from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, filled_state,
-                               git_commit, kernel_table, load, matched_repetition,
+from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, error_text,
+                               filled_state, git_commit, kernel_table, load, matched_repetition,
                                repetition_summary, time_fn, write_json)
 from jaxspec import cli, requests, ssv
 from jaxspec.drafting.draft_model import DraftModelState
@@ -163,23 +163,20 @@ _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: devices to shard the mo
 _PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.plan_profile): add "
                             "rows static-best and plan (run-time refinement); not with "
                             "--workload=scale")
-_FUSE = flags.DEFINE_bool("fuse_projections", False, "run the models with q/k/v and gate/up "
-                          "each fused into one GEMM (jaxspec.model.transformer.fuse_projections; "
-                          "one device)")
+_FUSE = flags.DEFINE_bool("fuse_projections", True, "run the models with q/k/v and gate/up "
+                          "each fused into one GEMM (jaxspec.model.transformer.fuse_projections), "
+                          "as jaxspec.generate does; on one device (--tp > 1 keeps them apart)")
 _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a second device "
                                   "while the first one decodes (short and long workloads)")
 
 
 def _fuse(*models) -> None:
-  """--fuse_projections on every model given (None skipped)."""
-  if not _FUSE.value:
+  """--fuse_projections on every model given (None skipped), on one device."""
+  if not _FUSE.value or _TP.value > 1:
     return
-  try:
-    for m in models:
-      if m is not None:
-        fuse_projections(m)
-  except ValueError as e:   # a tensor-parallel model
-    cli.fail("benchmarks.throughput", str(e))
+  for m in models:
+    if m is not None:
+      fuse_projections(m)
 
 
 def parse_entry(entry: str) -> tuple[str, float, int]:
@@ -347,7 +344,7 @@ def scale_run(model, draft_model, methods, batch: int, context: int, sampling: S
       rows.append(row)
       holder = None  # free this cache before the next method
     except Exception as e:
-      rows.append(dict(method=entry, gamma=g, error=f"{type(e).__name__}: {str(e)[:300]}"))
+      rows.append(dict(method=entry, gamma=g, error=error_text(e)))
     print({k: v for k, v in rows[-1].items() if k != "trace"}, file=sys.stderr)
     for k in rows[-1].get("trace", {}).get("kernels", [])[:12]:
       print(f"   {k['us']:>10.1f} us {k['calls']:>5}x  {k['name']}", file=sys.stderr)
@@ -475,7 +472,7 @@ def main(argv):
                 sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
-                fuse_projections=_FUSE.value,
+                fuse_projections=_FUSE.value and _TP.value == 1,
                 argv=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
@@ -540,7 +537,7 @@ def main(argv):
       state = runner = None
     except Exception as e:
       row = dict(method=entry, label=eos_label(entry, ignore_eos),
-                 error=f"{type(e).__name__}: {str(e)[:500]}")
+                 error=error_text(e, 500))
     rows.append(row)
     print({k: v for k, v in row.items() if k != "per_request"}, file=sys.stderr)
     matched = matched_repetition(rows)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import workloads
-from benchmarks.common import (distinct_ngram_share, eos_label, eos_settings,
+from benchmarks.common import (distinct_ngram_share, eos_label, eos_settings, error_text,
                                matched_repetition, repetition_summary)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -154,6 +154,19 @@ def test_eos_label_and_settings():
   honoured = eos_settings(False, (7, 2))
   assert honoured["ignore_eos"] is False and honoured["stop_ids"] == [7, 2]
   assert honoured["eos"].startswith("honoured")
+
+
+def test_error_text_says_what_to_change_when_the_gpu_ran_out(monkeypatch):
+  plain = error_text(ValueError("bad shape " + "x" * 400))
+  assert plain.startswith("ValueError: bad shape") and len(plain) == len("ValueError: ") + 300
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.02GiB")
+  text = error_text(oom, 500)
+  assert text.startswith("out of GPU memory with XLA_PYTHON_CLIENT_MEM_FRACTION unset")
+  assert text.endswith("RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                       "2.02GiB")
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION 0.8: raise it" in error_text(oom)
 
 
 def test_results_written_before_the_field_read_ignore_eos_from_argv():
