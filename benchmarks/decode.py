@@ -17,8 +17,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from benchmarks.common import (copy_ceiling, device_name, error_text, filled_state, git_commit, load,
-                               time_fn, write_json)
+from benchmarks.common import (copy_ceiling, device_name, error_text, filled_state, git_commit,
+                               load, time_fn, write_json)
 from jaxspec import cli
 from jaxspec.model.attention import default_backend
 from jaxspec.engine.runner import Runner
