@@ -170,9 +170,14 @@ _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a s
                                   "while the first one decodes (short and long workloads)")
 
 
+def _fusing() -> bool:
+  """Whether the models run with fused projections: --fuse_projections, on one device."""
+  return _FUSE.value and _TP.value == 1
+
+
 def _fuse(*models) -> None:
-  """--fuse_projections on every model given (None skipped), on one device."""
-  if not _FUSE.value or _TP.value > 1:
+  """Fuse every model given (None skipped) when `_fusing()`."""
+  if not _fusing():
     return
   for m in models:
     if m is not None:
@@ -472,7 +477,7 @@ def main(argv):
                 sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
-                fuse_projections=_FUSE.value and _TP.value == 1,
+                fuse_projections=_fusing(),
                 argv=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
