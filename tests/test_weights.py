@@ -257,6 +257,31 @@ def test_gguf_rope_freqs_that_are_not_llama3_are_refused(tmp_path):
     gguf_weights.load(tmp_path / "m.gguf", dtype=jnp.float32)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_gguf_dequantizing_in_passes_equals_gguf_s_own(qtype, monkeypatch):
+  """The loader dequantizes a few rows a pass, straight into the transposed, cast result: the same
+  values as gguf's `dequantize` of the whole tensor, over ragged passes."""
+  qtype = gguf.GGMLQuantizationType[qtype]
+  block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+  rng = np.random.default_rng(0)
+  rows, cols = 37, 2 * max(block, 32)     # 37 rows: passes of 16, 16 and 5
+  # Random bytes are a valid encoding of every type; keep the fp16 scales finite and small.
+  data = rng.integers(0, 256, (rows, cols // block * type_size), dtype=np.uint8)
+  scales = data.reshape(rows, -1, type_size)
+  at = type_size - 2 if qtype == gguf.GGMLQuantizationType.Q6_K else 0
+  scales[..., at:at + 2] = np.array([0.01], np.float16).view(np.uint8)
+  if qtype == gguf.GGMLQuantizationType.Q4_1 or qtype == gguf.GGMLQuantizationType.Q4_K:
+    scales[..., 2:4] = np.array([0.02], np.float16).view(np.uint8)   # their minima
+  want = gguf.quants.dequantize(data, qtype)
+  assert want.shape == (rows, cols) and np.isfinite(want).all() and np.ptp(want) > 0
+  monkeypatch.setattr(gguf_weights, "_DEQUANT_PASS", 16 * cols)
+  for dtype in (np.float32, jnp.bfloat16):
+    for transposed in (False, True):
+      got = gguf_weights._dequantize(data, qtype, jnp.dtype(dtype), transposed)
+      assert got.flags.c_contiguous and got.dtype == dtype
+      np.testing.assert_array_equal(got, (want.T if transposed else want).astype(dtype))
+
+
 # --- the real Qwen3-0.6B config and tokenizer --------------------------------------------------------
 
 def test_real_qwen3_config_tokenizer_and_forward():

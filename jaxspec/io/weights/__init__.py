@@ -104,9 +104,11 @@ def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict[str, jax.Shape
   return {path_str(p): v for p, v in _flatten(nnx.to_pure_dict(state)).items()}
 
 
-def check_params(cfg: ModelConfig, params: Mapping[str, Any], source: str) -> None:
-  """Raise WeightsError naming every missing, unexpected or wrongly shaped parameter."""
-  expected = abstract_params(cfg)
+def check_params(cfg: ModelConfig, params: Mapping[str, Any], source: str,
+                 dtype=jnp.bfloat16) -> None:
+  """Raise WeightsError naming every missing, unexpected or wrongly shaped parameter. `dtype`
+  does not change the check; passing the model's saves tracing its structure a second time."""
+  expected = abstract_params(cfg, dtype)
   missing = expected.keys() - params.keys()
   unexpected = params.keys() - expected.keys()
   bad_shape = [f"{k} {tuple(params[k].shape)} (model wants {tuple(expected[k].shape)})"
@@ -142,7 +144,7 @@ def build_model(cfg: ModelConfig, params: Mapping[str, Any], *, dtype=jnp.bfloat
   records the mesh. Asserts that every parameter was filled: a model with a leftover abstract leaf
   never escapes.
   """
-  check_params(cfg, params, source)
+  check_params(cfg, params, source, dtype)
   sharding.check_divides(cfg, mesh, source)
   graphdef, abstract_state = _abstract_split(cfg, jnp.dtype(dtype))
   state = jax.tree.map(lambda x: x, abstract_state)   # a fresh copy: the cached one stays abstract

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +38,8 @@ if TYPE_CHECKING:
   from transformers import PreTrainedTokenizerBase
 
 
-def _same(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def _rows(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   return x
-
-
-def _transpose(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-  return x.T   # [out, in] -> nnx.Linear's [in, out]
 
 
 def _unpermute(x: np.ndarray, heads: int) -> np.ndarray:
@@ -51,53 +48,47 @@ def _unpermute(x: np.ndarray, heads: int) -> np.ndarray:
   return x.reshape(heads, rows // heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _q(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def _q_rows(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   return _unpermute(x, cfg.num_heads) if cfg.arch == "llama" else x
 
 
-def _k(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def _k_rows(x: np.ndarray, cfg: ModelConfig) -> np.ndarray:
   return _unpermute(x, cfg.num_kv_heads) if cfg.arch == "llama" else x
 
 
-def _q_kernel(x, cfg):
-  return _q(x, cfg).T
-
-
-def _k_kernel(x, cfg):
-  return _k(x, cfg).T
-
-
-# The mapping table: GGUF tensor name -> (our param path, transform). `{i}` is the layer index.
-_GLOBAL: dict[str, tuple[str, Callable]] = {
-    "token_embd.weight": ("embed_tokens/embedding", _same),
-    "output_norm.weight": ("norm/weight", _same),
-    "output.weight": ("lm_head/kernel", _transpose),
+# The mapping table: GGUF tensor name -> (our param path, the order of its rows, transposed?).
+# `{i}` is the layer index. Rows are reordered before they are dequantized (a quantized row
+# dequantizes on its own); a transposed matrix goes from [out, in] to nnx.Linear's [in, out].
+_GLOBAL: dict[str, tuple[str, Callable, bool]] = {
+    "token_embd.weight": ("embed_tokens/embedding", _rows, False),
+    "output_norm.weight": ("norm/weight", _rows, False),
+    "output.weight": ("lm_head/kernel", _rows, True),
 }
-_PER_LAYER: dict[str, tuple[str, Callable]] = {
-    "attn_norm.weight": ("input_layernorm/weight", _same),
-    "ffn_norm.weight": ("post_attention_layernorm/weight", _same),
-    "attn_q.weight": ("self_attn/q_proj/kernel", _q_kernel),
-    "attn_k.weight": ("self_attn/k_proj/kernel", _k_kernel),
-    "attn_v.weight": ("self_attn/v_proj/kernel", _transpose),
-    "attn_output.weight": ("self_attn/o_proj/kernel", _transpose),
-    "attn_q.bias": ("self_attn/q_proj/bias", _q),
-    "attn_k.bias": ("self_attn/k_proj/bias", _k),
-    "attn_v.bias": ("self_attn/v_proj/bias", _same),
-    "attn_q_norm.weight": ("self_attn/q_norm/weight", _same),
-    "attn_k_norm.weight": ("self_attn/k_norm/weight", _same),
-    "ffn_gate.weight": ("mlp/gate_proj/kernel", _transpose),
-    "ffn_up.weight": ("mlp/up_proj/kernel", _transpose),
-    "ffn_down.weight": ("mlp/down_proj/kernel", _transpose),
+_PER_LAYER: dict[str, tuple[str, Callable, bool]] = {
+    "attn_norm.weight": ("input_layernorm/weight", _rows, False),
+    "ffn_norm.weight": ("post_attention_layernorm/weight", _rows, False),
+    "attn_q.weight": ("self_attn/q_proj/kernel", _q_rows, True),
+    "attn_k.weight": ("self_attn/k_proj/kernel", _k_rows, True),
+    "attn_v.weight": ("self_attn/v_proj/kernel", _rows, True),
+    "attn_output.weight": ("self_attn/o_proj/kernel", _rows, True),
+    "attn_q.bias": ("self_attn/q_proj/bias", _q_rows, False),
+    "attn_k.bias": ("self_attn/k_proj/bias", _k_rows, False),
+    "attn_v.bias": ("self_attn/v_proj/bias", _rows, False),
+    "attn_q_norm.weight": ("self_attn/q_norm/weight", _rows, False),
+    "attn_k_norm.weight": ("self_attn/k_norm/weight", _rows, False),
+    "ffn_gate.weight": ("mlp/gate_proj/kernel", _rows, True),
+    "ffn_up.weight": ("mlp/up_proj/kernel", _rows, True),
+    "ffn_down.weight": ("mlp/down_proj/kernel", _rows, True),
 }
 # Tensors that configure rather than parameterize the model (read by `read_config`).
 _CONFIG_TENSORS = ("rope_freqs.weight",)
 
 
-def key_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable]]:
+def key_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable, bool]]:
   table = dict(_GLOBAL)
   for i in range(cfg.num_layers):
-    for name, (path, fn) in _PER_LAYER.items():
-      table[f"blk.{i}.{name}"] = (f"layers/{i}/{path}", fn)
+    for name, (path, rows, transposed) in _PER_LAYER.items():
+      table[f"blk.{i}.{name}"] = (f"layers/{i}/{path}", rows, transposed)
   return table
 
 
@@ -106,9 +97,20 @@ def open_reader(path: str | Path) -> gguf.GGUFReader:
   if not path.is_file():
     raise WeightsError(f"GGUF file {path} does not exist")
   try:
-    return gguf.GGUFReader(path)
+    return _Reader(path)
   except Exception as e:   # the reader raises ValueError, struct.error, IndexError... on bad bytes
     raise WeightsError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+
+
+class _Reader(gguf.GGUFReader):
+  """gguf's reader over a plain ndarray view of its memory map. The reader slices the map once per
+  metadata value (300K slices for a 151K-token vocabulary with its merges), and every slice of a
+  numpy memmap runs the subclass's Python hooks: they took half of its 8 s for a Qwen2.5 file."""
+
+  def _get(self, *args, **kwargs):
+    if type(self.data) is np.memmap:
+      self.data = np.asarray(self.data)   # same pages, no subclass
+    return super()._get(*args, **kwargs)
 
 
 class _Meta:
@@ -204,29 +206,59 @@ def _llama3_from_factors(cfg: ModelConfig, factors: np.ndarray, source: str) -> 
 
 def read_params(reader: gguf.GGUFReader, cfg: ModelConfig, *, dtype=jnp.bfloat16,
                 progress: bool = False, source: str = "GGUF file") -> ParamDict:
-  """All tensors dequantized, mapped to param paths, as numpy arrays of `dtype`."""
+  """All tensors dequantized, mapped to param paths, as numpy arrays of `dtype`. Tensors are
+  dequantized on up to 8 threads (numpy releases the GIL inside each pass)."""
   table = key_map(cfg)
   unknown = [t.name for t in reader.tensors if t.name not in table and t.name not in _CONFIG_TENSORS]
   if unknown:
     raise WeightsError(f"{source}: tensors with no place in the {cfg.arch} model: "
                        f"{', '.join(sorted(unknown)[:8])}" + (" ..." if len(unknown) > 8 else ""))
   np_dtype = jnp.dtype(dtype)
-  params: ParamDict = {}
-  for t in tqdm(reader.tensors, desc=f"dequantizing {Path(source).name}", unit="tensor",
-                disable=not progress):
-    if t.name in _CONFIG_TENSORS:
-      continue
-    path, fn = table[t.name]
-    x = gguf.quants.dequantize(t.data, t.tensor_type)
-    params[path] = _contiguous(fn(x, cfg), np_dtype)
-  return params
+
+  def read(t: gguf.ReaderTensor) -> tuple[str, np.ndarray]:
+    path, rows, transposed = table[t.name]
+    return path, _dequantize(rows(np.asarray(t.data), cfg), t.tensor_type, np_dtype, transposed)
+
+  tensors = [t for t in reader.tensors if t.name not in _CONFIG_TENSORS]
+  with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    return dict(tqdm(pool.map(read, tensors), total=len(tensors), unit="tensor",
+                     desc=f"dequantizing {Path(source).name}", disable=not progress))
+
+
+# Values per numpy pass when dequantizing: gguf's own `dequantize` passes 16 rows at a time, and
+# the numpy calls' fixed cost then dominated loading (32 of 74 s for a Q4_K 1.5B model in
+# float32). Larger passes gain little more: their temporaries fault in fresh pages.
+_DEQUANT_PASS = 1 << 16
+
+
+def _dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType, dtype: np.dtype,
+                transposed: bool) -> np.ndarray:
+  """One tensor's data (`ReaderTensor.data`, [out, in] in quantized bytes) dequantized by gguf
+  into a C-contiguous array of `dtype`, transposed if asked, a few rows at a time: each pass is
+  written straight into its place, cast as it goes, so no float32 copy of the whole matrix and
+  no second pass to transpose it are made."""
+  quant = gguf.quants._type_traits.get(qtype)   # gguf's per-type classes (not F32/F16)
+  if quant is None or data.ndim != 2:
+    x = gguf.quants.dequantize(data, qtype)
+    return _contiguous(x.T if transposed else x, dtype)
+  quant.init_grid()
+  rows, cols = data.shape[0], data.shape[1] // quant.type_size * quant.block_size
+  out = np.empty((cols, rows) if transposed else (rows, cols), dtype)
+  # Whole cache lines of `out` per pass when transposing: at least 16 rows of the source.
+  step = max(16, _DEQUANT_PASS // cols // 16 * 16)
+  for i in range(0, rows, step):
+    x = quant.dequantize_rows(data[i:i + step])
+    if transposed:
+      out[:, i:i + step] = x.T
+    else:
+      out[i:i + step] = x
+  return out
 
 
 def _contiguous(x: np.ndarray, dtype: np.dtype, block: int = 64) -> np.ndarray:
   """x as a C-contiguous array of `dtype`, cast as it is copied (one pass, not a copy and then
   an astype). A matrix that is a transposed view is copied a block of its source's rows at a
-  time: numpy's copy of a whole transpose misses the cache on every write (that copy and the
-  astype took 16 of the 36 s of reading a 1.5B model's params in float32; now about 6)."""
+  time: numpy's copy of a whole transpose misses the cache on every write."""
   if x.ndim != 2 or x.flags.c_contiguous:
     return np.ascontiguousarray(x, dtype=dtype)
   out = np.empty(x.shape, dtype)
