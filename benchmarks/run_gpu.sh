@@ -25,7 +25,8 @@
 #   levers      XLA command buffers (default, off, extended to WHILE/CONDITIONAL) and fused
 #               q/k/v and gate/up GEMMs (fused: --fuse_projections) on the scale workload at the
 #               0.5B's shapes, 64 x 24K, one process per setting (SETTINGS, default "default off
-#               while"; SHAPE, BATCH, CONTEXT, METHODS override)
+#               while"; SHAPE, BATCH, CONTEXT, METHODS override); pdl / nopdl: fused, with XLA's
+#               programmatic dependent launch (--xla_gpu_enable_pdl) on / off
 #   draft       draft-model decoding, the 0.5B drafting for the 1.5B (both shipped and prepped:
 #               MODEL=0.5b prep, then MODEL=1.5b prep), against the 1.5B's vanilla and vegas in
 #               the same run; WORKLOAD short or long (default short), EOS honoured, sampled;
@@ -151,7 +152,8 @@ for step in "$@"; do
     levers)
       # Issue 14's launch-overhead lever, one process per setting (XLA reads its flags at start):
       # XLA's command buffers (CUDA graphs) as they come, switched off, and extended to the
-      # loop's control flow (+WHILE,+CONDITIONAL); and the fused projections. On the scale
+      # loop's control flow (+WHILE,+CONDITIONAL); the fused projections; and programmatic
+      # dependent launch (Hopper: a kernel's prologue overlaps its producer's tail). On the scale
       # workload at SHAPE (default the 0.5B's), BATCH x CONTEXT (default 64 x 24576), METHODS
       # (default none,vegas:6); each JSON records its XLA_FLAGS and fuse_projections.
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.8   # torch's copy (the ceiling) needs room beside JAX
@@ -161,9 +163,11 @@ for step in "$@"; do
           off)     flags=--xla_gpu_enable_command_buffer= ;;
           while)   flags=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL ;;
           fused)   flags= ;;
-          *) echo "unknown setting $setting (default, off, while, fused)"; exit 2 ;;
+          pdl)     flags=--xla_gpu_enable_pdl=true ;;
+          nopdl)   flags=--xla_gpu_enable_pdl=false ;;
+          *) echo "unknown setting $setting (default, off, while, fused, pdl, nopdl)"; exit 2 ;;
         esac
-        fuse=--nofuse_projections; [ $setting = fused ] && fuse=--fuse_projections
+        fuse=--fuse_projections; case $setting in default|off|while) fuse=--nofuse_projections ;; esac
         # No stray blank: XLA reads an XLA_FLAGS that does not start with "--" as a file name.
         xla_flags=$(echo ${XLA_FLAGS:-} $flags)
         env ${xla_flags:+XLA_FLAGS="$xla_flags"} python3 -m benchmarks.throughput $fuse \
