@@ -19,12 +19,12 @@ lists it in ascending position order (what a gather over the cache wants anyway)
   3. keep every key above it and the first (k - #above) keys equal to it, in position order, and
      compact with a running count and a binary search per output slot (no scatter).
 method='pallas' runs the same search as a Pallas (Triton) kernel, bf16 only, grid (B,): one program
-per row, which walks its row in tiles of `block` positions. The digit passes, one count of the keys
-above the threshold and the emitting pass each re-read the row, which stays in L2 between passes
-(a row is 2 bytes a position), and the kept positions are written in order by a running count (a
-block-wise cumsum) with a scatter store. It is bound by the compares (digit=4: 15 per key per
-pass), not by memory; with one program a row it needs many rows to fill the GPU, so the per-layer
-selection (`jaxspec.drafting.policies.per_layer_topk`) runs the kernel from 256 rows and the XLA form
+per row, which walks its row in tiles of `block` positions. The digit passes (whose counts also
+give the number of keys above the threshold) and the emitting pass each re-read the row, which
+stays in L2 between passes (a row is 2 bytes a position), and the kept positions are written in
+order by a running count (a block-wise cumsum) with a scatter store. It is not bound by memory
+(below); with one program a row it needs many rows to fill the GPU, so the per-layer selection
+(`jaxspec.drafting.policies.per_layer_topk`) runs the kernel from 256 rows and the XLA form
 below. method='top_k' is lax.top_k, which sorts every row (the reference itself).
 
 Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md "Kernels", fourth session), bf16 scores,
@@ -32,10 +32,16 @@ ratio 0.07:
   N=1536 x L=33792 (24 layers x 64 sequences, the long workload's per-round selection):
     kernel 747.0 us (digit=2: 824.5), threshold 1837.6 us, lax.top_k 3407.1 us;
   B=16 x L=131072: threshold 167.0 us, kernel 699.4 us (16 programs for 132 SMs), lax.top_k 383.0.
+H100, twenty-fourth session (`results/topk_probe_h100*.json`), the kernel: 1536 x 33792 690-694 us,
+3584 x 25088 (28 layers x 128 sequences, the 1.5B's) 1153-1155 us: -6% from folding the count of
+keys above the threshold into the digit passes (one pass of five). Three probes say what does not
+bound it: that pass's compares (6% for a fifth of the passes), the reduction per tile (counts kept
+in registers across tiles were slower: 1532 us at 256 a tile), the emitting pass's two scans (one
+scan for both running counts changed nothing).
 Inside a Vegas round at Qwen2.5-0.5B shapes (B=64 x 24576; fifth session's trace): 0.55 ms. The
-floor is one read of the scores (~25 us for the 104 MB at N=1536); the kernel is 30x that, held
-back by its compare count: a histogram in shared memory (not expressible in Pallas's Triton
-lowering) would close it. How the kernel got here: benchmarks/NOTES_kernels.md.
+floor is one read of the scores (~25 us for the 104 MB at N=1536); the kernel is 30x that. A
+histogram in shared memory (not expressible in Pallas's Triton lowering) would take it to two
+passes. How the kernel got here: benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
 
@@ -146,23 +152,26 @@ def _select_kernel(len_ref, k_ref, bits_ref, idx_ref, *, block: int, digit: int)
     bits = jnp.where((bits & 0x7FFF) > 0x7F80, 0xFF80, bits)            # NaN -> -inf
     return pos, jnp.where(live, _flip16(bits), 0)                       # as _ordered_key
 
-  def count_at_least(cand):                              # cand [R] -> [R], or a scalar -> scalar
+  def count_at_least(cand):                                             # cand [R] -> [R]
     def body(i, acc):
       _, key = keys(i)
-      if cand.ndim == 0:
-        return acc + jnp.sum((key >= cand).astype(jnp.int32))
       return acc + jnp.sum((key[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
     return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros(cand.shape, jnp.int32))
 
   # The k-th largest key, `digit` bits a pass (as _kth_key; candidate 0 is t itself, which always
   # has >= k keys at or above it, so the digit is the number of candidates that do, minus one).
-  t = jnp.int32(0)
+  # `above` tracks #(key >= t + 2^shift), the count just past t's prefix: candidate digit + 1 of
+  # the same pass, or, when the digit is the largest, the previous pass's `above`. After the last
+  # pass it is #(key > t), so no separate pass counts it.
+  t, above = jnp.int32(0), jnp.int32(0)
   steps = jnp.arange(1 << digit, dtype=jnp.int32)
   for shift in range(16 - digit, -1, -digit):
     at_least = count_at_least(t | (steps << shift))
-    t = t | ((jnp.sum((at_least >= k).astype(jnp.int32)) - 1) << shift)
-  take_eq = k - count_at_least(t + 1)                                   # ties: lowest first
-  emit_kept(idx_ref, keys, n_blocks, t, take_eq, k, block)
+    d = jnp.sum((at_least >= k).astype(jnp.int32)) - 1
+    next_count = jnp.sum(jnp.where(steps == d + 1, at_least, 0))
+    above = jnp.where(d + 1 < (1 << digit), next_count, above)
+    t = t | (d << shift)
+  emit_kept(idx_ref, keys, n_blocks, t, k - above, k, block)            # ties: lowest first
 
 
 def emit_kept(idx_ref, keys, n_blocks, t, take_eq, kept, block: int) -> None:
