@@ -43,6 +43,7 @@ def _children(key: jax.Array, logits: jax.Array, width: int, sampling: SamplingP
   flat = logits.reshape(b * n, vocab)
   if sampling.greedy:
     return jax.lax.top_k(flat, width)[1].astype(jnp.int32).reshape(b, n, width), None
+  flat = jax.lax.optimization_barrier(flat)   # written once, as in `chain.draft_chain`
   if width == 1:
     tokens, q = sample_with_probs(key, flat, sampling)
     return tokens.reshape(b, n, 1), q.reshape(b, n, vocab)
