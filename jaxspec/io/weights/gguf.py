@@ -226,8 +226,8 @@ def read_params(reader: gguf.GGUFReader, cfg: ModelConfig, *, dtype=jnp.bfloat16
 
 
 # Values per numpy pass when dequantizing: gguf's own `dequantize` passes 16 rows at a time, and
-# the numpy calls' fixed cost then dominated loading (32 of 74 s for a Q4_K 1.5B model in
-# float32). Larger passes gain little more: their temporaries fault in fresh pages.
+# the numpy calls' fixed cost then dominated loading (about 30 s of a Q4_K 1.5B model's float32
+# load on 2 cores). Larger passes gain little more: their temporaries fault in fresh pages.
 _DEQUANT_PASS = 1 << 16
 
 
