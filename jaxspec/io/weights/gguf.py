@@ -237,7 +237,8 @@ def _dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType, dtype: np.dt
   into a C-contiguous array of `dtype`, transposed if asked, a few rows at a time: each pass is
   written straight into its place, cast as it goes, so no float32 copy of the whole matrix and
   no second pass to transpose it are made."""
-  quant = gguf.quants._type_traits.get(qtype)   # gguf's per-type classes (not F32/F16)
+  # gguf's per-type classes (not F32/F16), a private table: without it, gguf's public path.
+  quant = getattr(gguf.quants, "_type_traits", {}).get(qtype)
   if quant is None or data.ndim != 2:
     x = gguf.quants.dequantize(data, qtype)
     return _contiguous(x.T if transposed else x, dtype)
