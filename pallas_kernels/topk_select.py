@@ -32,9 +32,11 @@ ratio 0.07:
   N=1536 x L=33792 (24 layers x 64 sequences, the long workload's per-round selection):
     kernel 747.0 us (digit=2: 824.5), threshold 1837.6 us, lax.top_k 3407.1 us;
   B=16 x L=131072: threshold 167.0 us, kernel 699.4 us (16 programs for 132 SMs), lax.top_k 383.0.
-H100, twenty-fourth session (`results/topk_probe_h100*.json`), the kernel: 1536 x 33792 690-694 us,
-3584 x 25088 (28 layers x 128 sequences, the 1.5B's) 1153-1155 us: -6% from folding the count of
-keys above the threshold into the digit passes (one pass of five). Three probes say what does not
+H100, twenty-fourth session (`results/topk_probe_h100*.json`), the kernel: 1536 x 33792 690-697 us,
+3584 x 25088 (28 layers x 128 sequences, the 1.5B's) 1153-1162 us: -6% from folding the count of
+keys above the threshold into the digit passes (one pass of five). Against the 3016 GB/s copy of
+the same run (`results/topk_probe_copy_h100.json`: one read of the scores, one write of the
+indices) that is 170-177 GB/s, 17.0-17.8x its floor (68 us at 3584 x 25088). Three probes say what does not
 bound it: that pass's compares (6% for a fifth of the passes), the reduction per tile (counts kept
 in registers across tiles were slower: 1532 us at 256 a tile), the emitting pass's two scans (one
 scan for both running counts changed nothing).
