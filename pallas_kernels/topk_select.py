@@ -36,10 +36,10 @@ H100, twenty-fourth session (`results/topk_probe_h100*.json`), the kernel: 1536 
 3584 x 25088 (28 layers x 128 sequences, the 1.5B's) 1153-1162 us: -6% from folding the count of
 keys above the threshold into the digit passes (one pass of five). Against the 3016 GB/s copy of
 the same run (`results/topk_probe_copy_h100.json`: one read of the scores, one write of the
-indices) that is 170-177 GB/s, 17.0-17.8x its floor (68 us at 3584 x 25088). Three probes say what does not
-bound it: that pass's compares (6% for a fifth of the passes), the reduction per tile (counts kept
-in registers across tiles were slower: 1532 us at 256 a tile), the emitting pass's two scans (one
-scan for both running counts changed nothing).
+indices) that is 170-177 GB/s, 17.0-17.8x its floor (68 us at 3584 x 25088). Three probes say
+what does not bound it: that pass's compares (6% for a fifth of the passes), the reduction per
+tile (counts kept in registers across tiles were slower: 1532 us at 256 a tile), the emitting
+pass's two scans (one scan for both running counts changed nothing).
 Inside a Vegas round at Qwen2.5-0.5B shapes (B=64 x 24576; fifth session's trace): 0.55 ms. The
 floor is one read of the scores (~25 us for the 104 MB at N=1536); the kernel is 30x that. A
 histogram in shared memory (not expressible in Pallas's Triton lowering) would take it to two
