@@ -245,14 +245,11 @@ def _dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType, dtype: np.dt
   quant.init_grid()
   rows, cols = data.shape[0], data.shape[1] // quant.type_size * quant.block_size
   out = np.empty((cols, rows) if transposed else (rows, cols), dtype)
+  source_rows = out.T if transposed else out        # a view: row i of the source, in place
   # Whole cache lines of `out` per pass when transposing: at least 16 rows of the source.
   step = max(16, _DEQUANT_PASS // cols // 16 * 16)
   for i in range(0, rows, step):
-    x = quant.dequantize_rows(data[i:i + step])
-    if transposed:
-      out[:, i:i + step] = x.T
-    else:
-      out[i:i + step] = x
+    source_rows[i:i + step] = quant.dequantize_rows(data[i:i + step])
   return out
 
 
