@@ -10,7 +10,7 @@ from jaxspec.engine.runner import Runner
 from jaxspec.engine.state import make_batch
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
-from jaxspec.engine.sampling import SamplingParams, filter_logits, top_k_values
+from jaxspec.engine.sampling import SamplingParams, filter_logits, top_k_entries, top_k_values
 
 CFG = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope_theta=1000.0)
@@ -124,6 +124,11 @@ def test_top_k_values_equals_lax_top_k(shape, k):
   x = jnp.round(jax.random.normal(jax.random.PRNGKey(k), shape) * 4) / 2
   x = x.at[..., 7].set(-jnp.inf).at[..., -1].set(jnp.inf)
   np.testing.assert_array_equal(top_k_values(x, k), jax.lax.top_k(x, k)[0])
+  # The indices point at those values, k distinct entries of each row.
+  values, idx = top_k_entries(x, k)
+  np.testing.assert_array_equal(jnp.take_along_axis(x, idx, axis=-1), values)
+  rows = np.asarray(idx).reshape(-1, k)
+  assert all(len(set(r)) == k for r in rows.tolist())
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 0.5), (5, 0.9), (8, 0.99), (40, 0.7)])

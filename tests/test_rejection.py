@@ -191,3 +191,62 @@ def test_draw_follows_the_probabilities_and_never_a_zero():
   # Leading axes are kept; a row with nothing to draw still gives a token of the vocabulary.
   assert sampling.draw(jax.random.PRNGKey(5), jnp.ones((2, 3, v))).shape == (2, 3)
   assert int(sampling.draw(jax.random.PRNGKey(6), jnp.zeros((1, v)))[0]) < v
+
+
+TOP_K_SETTINGS = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+                  SamplingParams(temperature=0.7, top_k=5),
+                  SamplingParams(temperature=0.8, top_k=30, top_p=0.9, min_p=0.05)]
+
+
+@pytest.mark.parametrize("sp", TOP_K_SETTINGS)
+def test_top_k_draft_is_probabilities_where_nothing_ties(sp):
+  """`sample_top_k`, what chain drafts draw from: without ties across the k-th logit its
+  distribution is `probabilities` itself, and every token it draws has positive probability."""
+  v = 700                                       # more than top_k blocks of 128: the two-stage path
+  logits = jnp.asarray(np.random.default_rng(5).normal(size=(16, 3, v)) * 3, jnp.float32)
+  tokens, q = jax.jit(sampling.sample_top_k, static_argnames="sp")(jax.random.PRNGKey(6),
+                                                                   logits, sp)
+  assert q.ids.shape == q.probs.shape == (16, 3, sp.top_k) and tokens.shape == (16, 3)
+  np.testing.assert_allclose(q.dense(v), probabilities(logits, sp), atol=1e-6)
+  assert (q.prob_of(tokens) > 0).all()
+  assert sampling.samples_top_k(sp, v) and not sampling.samples_top_k(sp, sp.top_k)
+
+
+def test_top_k_draft_keeps_exactly_k_of_tied_logits():
+  """Coarse logits tie across the k-th largest: the whole-row filter keeps every tied entry, the
+  top-k draft exactly k distinct tokens, all inside that filter's support, summing to one."""
+  sp = SamplingParams(temperature=1.0, top_k=8)
+  logits = jnp.round(jax.random.normal(jax.random.PRNGKey(2), (32, 500)))
+  _, q = sampling.sample_top_k(jax.random.PRNGKey(3), logits, sp)
+  dense = np.asarray(probabilities(logits, sp))
+  assert ((dense > 0).sum(-1) > 8).any()                        # ties past the k-th happen here
+  ids = np.asarray(q.ids)
+  assert all(len(set(r)) == 8 for r in ids.tolist())
+  assert (np.take_along_axis(dense, ids, axis=-1) > 0).all()
+  np.testing.assert_allclose(np.asarray(q.probs).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_top_k_draft_verifies_as_its_dense_form_and_follows_the_target():
+  """Verification reads a TopK q as it would the same q over the whole vocabulary (identical
+  verdicts from one key), and the emitted tokens follow p at every position."""
+  rng = np.random.default_rng(7)
+  k = 3
+  p, _ = random_dists(7)
+  ids = np.argsort(-p[:GAMMA], axis=-1)[:, :k].astype(np.int32)    # p's likeliest, [gamma, k]
+  probs = rng.dirichlet(np.ones(k), size=GAMMA).astype(np.float32)
+  q = sampling.TopK(ids=jnp.broadcast_to(jnp.asarray(ids), (N, GAMMA, k)),
+                    probs=jnp.broadcast_to(jnp.asarray(probs), (N, GAMMA, k)))
+  k_draft, k_verify = jax.random.split(jax.random.PRNGKey(8))
+  j = jax.random.categorical(k_draft, jnp.log(q.probs), axis=-1)
+  drafts = jnp.take_along_axis(q.ids, j[..., None], axis=-1)[..., 0]
+  pb = jnp.broadcast_to(jnp.asarray(p), (N, GAMMA + 1, V))
+  verify = jax.jit(rejection.verify_sampled)
+  verdict = verify(k_verify, drafts, q, pb)
+  dense = verify(k_verify, drafts, q.dense(V), pb)
+  np.testing.assert_array_equal(verdict.accepted, dense.accepted)
+  np.testing.assert_array_equal(verdict.next_token, dense.next_token)
+  accepted, nxt = np.asarray(verdict.accepted), np.asarray(verdict.next_token)
+  for i in range(GAMMA + 1):
+    tok = emitted_at(np.asarray(drafts), accepted, nxt, i)
+    assert len(tok) > 5_000
+    assert chi2_pvalue(np.bincount(tok, minlength=V), p[i].astype(np.float64)) > 1e-3, i

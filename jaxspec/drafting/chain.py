@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.engine.sampling import SamplingParams, sample, sample_with_probs
+from jaxspec.engine.sampling import (SamplingParams, sample, sample_top_k, sample_with_probs,
+                                     samples_top_k)
 from jaxspec.model.attention import Plan
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
@@ -17,10 +18,11 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
   row, then feed d_1..d_{gamma-1} one at a time (a `lax.scan`), sampling d_2..d_gamma.
 
   Returns (the cache with the fed tokens' K/V written, lengths unchanged; drafts [B, gamma]; the
-  distributions they were drawn from [B, gamma, V], or None when greedy: greedy verification needs
-  only the tokens, so the [B, gamma, V] buffer is skipped; the scores `plan` asks for, one entry
-  per step [gamma, L, B, ...] (step i's rows are those that sampled d_{i+1}), or None). Step i uses
-  the i-th of gamma keys split from `key`.
+  distributions they were drawn from: a `TopK` [B, gamma, top_k] when
+  `samples_top_k(sampling, V)`, else [B, gamma, V], or None when greedy, whose verification needs
+  only the tokens; the scores `plan` asks for, one entry per step [gamma, L, B, ...] (step i's
+  rows are those that sampled d_{i+1}), or None). Step i uses the i-th of gamma keys split from
+  `key`.
   """
   start = cache.lengths
   step_keys = jax.random.split(key, gamma)
@@ -36,21 +38,24 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
     # fused it into several of the sampler's passes over them, reading the head's weights three
     # times a step (1.6 ms of a vegas round at the 1.5B's shapes, B = 64 x 24K, H100).
     logits = jax.lax.optimization_barrier(logits)
-    return (cache, *sample_with_probs(step_key, logits, sampling), scores)
+    draw = sample_top_k if samples_top_k(sampling, logits.shape[-1]) else sample_with_probs
+    return (cache, *draw(step_key, logits, sampling), scores)
 
   t0 = first.shape[1]
   cache, d1, p1, s1 = step(cache, first, 0, step_keys[0])
-  # The distributions go into one [B, gamma, V] buffer that each step writes in place (at
-  # B = 128 and a 152K vocabulary, 78 MB a step), in the layout verification reads.
-  probs = None if p1 is None else jax.lax.dynamic_update_index_in_dim(
-      jnp.zeros((p1.shape[0], gamma) + p1.shape[1:], p1.dtype), p1, 0, axis=1)
+  # The distributions go into [B, gamma, ...] buffers that each step writes in place (a dense
+  # one is 78 MB a step at B = 128 and a 152K vocabulary), in the layout verification reads.
+  def put(buffer, p, i):
+    return jax.lax.dynamic_update_index_in_dim(buffer, p, i, axis=1)
+  probs = None if p1 is None else jax.tree.map(
+      lambda p: put(jnp.zeros((p.shape[0], gamma) + p.shape[1:], p.dtype), p, 0), p1)
 
   def body(carry, xs):
     cache, token, probs = carry
     i, step_key = xs
     cache, nxt, p, scores = step(cache, token[:, None], t0 - 1 + i, step_key)
     if probs is not None:
-      probs = jax.lax.dynamic_update_index_in_dim(probs, p, i, axis=1)
+      probs = jax.tree.map(lambda buffer, p: put(buffer, p, i), probs, p)
     return (cache, nxt, probs), (nxt, scores)
 
   (cache, _, probs), (rest, rest_scores) = jax.lax.scan(

@@ -1,7 +1,11 @@
 """Sampling settings and the logits transforms shared by plain and speculative decoding.
 
-Speculative sampling is lossless only if the draft distribution q and the target distribution p go
-through the *same* transforms, so both call `probabilities` with the same `SamplingParams`.
+The target's distribution p is `probabilities` of its logits, in plain decoding and in
+verification alike: that is the distribution the output follows. Speculative sampling is lossless
+for any draft distribution q, provided verification is given the q each draft was drawn from; a
+q close to p accepts more. Chain drafts draw from `sample_top_k` (the same transforms over the
+top-k logits only, kept as k (id, probability) pairs) when top-k is on and small, otherwise from
+`sample_with_probs` (the whole row, exactly `probabilities`).
 """
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +39,10 @@ class SamplingParams:
     return self.temperature == 0 or self.top_k == 1
 
 
-def top_k_values(x: jax.Array, k: int, block: int = 128) -> jax.Array:
-  """The k largest values along the last axis, in descending order (exact, ties included).
+def top_k_entries(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
+  """The k largest values along the last axis in descending order, and an index of each
+  ([..., k], [..., k] int32). The values are exact; where values tie across the k-th, which of
+  the tied indices are returned is unspecified.
 
   `lax.top_k` over a 152K vocabulary is a full segmented sort on the GPU (about 1 ms at 64 rows,
   as much as a whole decode step of a 0.5B model). The k largest values lie in the k blocks with
@@ -44,12 +51,22 @@ def top_k_values(x: jax.Array, k: int, block: int = 128) -> jax.Array:
   v = x.shape[-1]
   n_blocks = -(-v // block)
   if k > block or k >= n_blocks:
-    return jax.lax.top_k(x, k)[0]
+    values, idx = jax.lax.top_k(x, k)
+    return values, idx.astype(jnp.int32)
   pad = [(0, 0)] * (x.ndim - 1) + [(0, n_blocks * block - v)]
   blocks = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(*x.shape[:-1], n_blocks, block)
   _, best = jax.lax.top_k(jnp.max(blocks, axis=-1), k)                     # [..., k] block ids
   cand = jnp.take_along_axis(blocks, best[..., None], axis=-2)              # [..., k, block]
-  return jax.lax.top_k(cand.reshape(*x.shape[:-1], k * block), k)[0]
+  values, j = jax.lax.top_k(cand.reshape(*x.shape[:-1], k * block), k)
+  idx = jnp.take_along_axis(best, j // block, axis=-1) * block + j % block
+  # A padding entry (-inf) is chosen only in a row with fewer than k finite values; keep its index
+  # in the vocabulary (its probability is 0 wherever it is used).
+  return values, jnp.minimum(idx, v - 1).astype(jnp.int32)
+
+
+def top_k_values(x: jax.Array, k: int, block: int = 128) -> jax.Array:
+  """The k largest values along the last axis, in descending order (exact, ties included)."""
+  return top_k_entries(x, k, block)[0]
 
 
 def keep_threshold(x: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -152,3 +169,58 @@ def sample_with_probs(key: jax.Array, logits: jax.Array, sp: SamplingParams
   draft step keeps it for verification, so its logits are filtered once, not twice."""
   probs = jax.nn.softmax(filter_logits(logits, sp), axis=-1)
   return draw(key, probs), probs
+
+
+@struct.dataclass
+class TopK:
+  """A distribution over at most k tokens: probability probs[..., j] on token ids[..., j]
+  (f32 and int32, [..., k]); entries a filter removed have probability 0."""
+  ids: jax.Array
+  probs: jax.Array
+
+  def prob_of(self, tokens: jax.Array) -> jax.Array:
+    """The probability of tokens [...] (0 off the support)."""
+    return jnp.sum(jnp.where(self.ids == tokens[..., None], self.probs, 0.0), axis=-1)
+
+  def dense(self, vocab: int) -> jax.Array:
+    """The same distribution over the whole vocabulary, [..., vocab] f32."""
+    # k compares an entry in one fused pass: a scatter into zeros cost verification 100-200 us
+    # more a round (H100, B = 64-128).
+    v = jnp.arange(vocab, dtype=jnp.int32)[:, None]
+    return jnp.sum(jnp.where(self.ids[..., None, :] == v, self.probs[..., None, :], 0.0), axis=-1)
+
+
+# Up to this top-k, `sample_top_k` keeps the draft distribution as (id, probability) pairs:
+# the candidates' k blocks of 128 logits stay small next to a row of the vocabulary.
+TOP_K_SPARSE_MAX = 64
+
+
+def samples_top_k(sp: SamplingParams, vocab: int) -> bool:
+  """Whether chain drafts under `sp` over a vocabulary of `vocab` draw from `sample_top_k`:
+  sampled, with 0 < top_k <= 64 and below the vocabulary (top-k is off at or above it)."""
+  return not sp.greedy and 0 < sp.top_k <= TOP_K_SPARSE_MAX and sp.top_k < vocab
+
+
+def sample_top_k(key: jax.Array, logits: jax.Array, sp: SamplingParams
+                 ) -> tuple[jax.Array, TopK]:
+  """Draw one token per row of logits [..., V] from `probabilities`' transforms applied to the
+  row's top_k logits only, and return that distribution as a TopK [..., top_k].
+
+  It is `probabilities(logits, sp)` except where logits tie across the k-th largest: there the
+  whole-row filter keeps every tied entry and this keeps exactly k of them (and normalises
+  top-p's mass over those k). A speculative draft needs only a distribution it really drew from,
+  so this q stays lossless; it saves the draft step the sampler's passes over [B, V] f32 rows
+  and the [B, gamma, V] buffer verification read q from. Needs `samples_top_k(sp, V)`.
+  """
+  values, ids = top_k_entries(logits, sp.top_k)
+  x = scaled(values, sp)                                                    # [..., k] descending
+  if sp.top_p < 1.0:
+    probs = jax.nn.softmax(x, axis=-1)
+    keep = jnp.cumsum(probs, axis=-1) - probs < sp.top_p                    # at least the first
+    x = jnp.where(x < jnp.min(jnp.where(keep, x, jnp.inf), axis=-1, keepdims=True), -jnp.inf, x)
+  probs = jax.nn.softmax(x, axis=-1)
+  if sp.min_p > 0.0:
+    cut = sp.min_p * jnp.max(probs, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(jnp.where(probs < cut, -jnp.inf, x), axis=-1)
+  j = draw(key, probs)
+  return jnp.take_along_axis(ids, j[..., None], axis=-1)[..., 0], TopK(ids=ids, probs=probs)
