@@ -209,7 +209,7 @@ def test_top_k_draft_is_probabilities_where_nothing_ties(sp):
   assert q.ids.shape == q.probs.shape == (16, 3, sp.top_k) and tokens.shape == (16, 3)
   np.testing.assert_allclose(q.dense(v), probabilities(logits, sp), atol=1e-6)
   assert (q.prob_of(tokens) > 0).all()
-  assert sampling.samples_top_k(sp, v) and not sampling.samples_top_k(sp, sp.top_k)
+  assert sampling.top_k_drafts(sp, v) and not sampling.top_k_drafts(sp, sp.top_k)
 
 
 def test_top_k_draft_keeps_exactly_k_of_tied_logits():

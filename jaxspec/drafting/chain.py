@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.engine.sampling import (SamplingParams, sample, sample_top_k, sample_with_probs,
-                                     samples_top_k)
+                                     top_k_drafts)
 from jaxspec.model.attention import Plan
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
@@ -19,7 +19,7 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
 
   Returns (the cache with the fed tokens' K/V written, lengths unchanged; drafts [B, gamma]; the
   distributions they were drawn from: a `TopK` [B, gamma, top_k] when
-  `samples_top_k(sampling, V)`, else [B, gamma, V], or None when greedy, whose verification needs
+  `top_k_drafts(sampling, V)`, else [B, gamma, V], or None when greedy, whose verification needs
   only the tokens; the scores `plan` asks for, one entry per step [gamma, L, B, ...] (step i's
   rows are those that sampled d_{i+1}), or None). Step i uses the i-th of gamma keys split from
   `key`.
@@ -38,7 +38,7 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
     # fused it into several of the sampler's passes over them, reading the head's weights three
     # times a step (1.6 ms of a vegas round at the 1.5B's shapes, B = 64 x 24K, H100).
     logits = jax.lax.optimization_barrier(logits)
-    draw = sample_top_k if samples_top_k(sampling, logits.shape[-1]) else sample_with_probs
+    draw = sample_top_k if top_k_drafts(sampling, logits.shape[-1]) else sample_with_probs
     return (cache, *draw(step_key, logits, sampling), scores)
 
   t0 = first.shape[1]

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxspec.drafting.trees import Tree
 from jaxspec.engine.sampling import (SamplingParams, probabilities, sample_top_k,
-                                     sample_with_probs, samples_top_k)
+                                     sample_with_probs, top_k_drafts)
 from jaxspec.model.attention import Dense, Plan, Sparse
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
@@ -46,7 +46,7 @@ def _children(key: jax.Array, logits: jax.Array, width: int, sampling: SamplingP
     return jax.lax.top_k(flat, width)[1].astype(jnp.int32).reshape(b, n, width), None
   flat = jax.lax.optimization_barrier(flat)   # written once, as in `chain.draft_chain`
   if width == 1:   # as a chain draws (`chain.draft_chain`); tree acceptance reads q dense
-    if samples_top_k(sampling, vocab):
+    if top_k_drafts(sampling, vocab):
       tokens, q = sample_top_k(key, flat, sampling)
       q = q.dense(vocab)
     else:

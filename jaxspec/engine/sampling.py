@@ -195,8 +195,8 @@ class TopK:
 TOP_K_SPARSE_MAX = 64
 
 
-def samples_top_k(sp: SamplingParams, vocab: int) -> bool:
-  """Whether chain drafts under `sp` over a vocabulary of `vocab` draw from `sample_top_k`:
+def top_k_drafts(sp: SamplingParams, vocab: int) -> bool:
+  """Whether drafts under `sp` over a vocabulary of `vocab` draw from `sample_top_k`:
   sampled, with 0 < top_k <= 64 and below the vocabulary (top-k is off at or above it)."""
   return not sp.greedy and 0 < sp.top_k <= TOP_K_SPARSE_MAX and sp.top_k < vocab
 
@@ -210,7 +210,7 @@ def sample_top_k(key: jax.Array, logits: jax.Array, sp: SamplingParams
   whole-row filter keeps every tied entry and this keeps exactly k of them (and normalises
   top-p's mass over those k). A speculative draft needs only a distribution it really drew from,
   so this q stays lossless; it saves the draft step the sampler's passes over [B, V] f32 rows
-  and the [B, gamma, V] buffer verification read q from. Needs `samples_top_k(sp, V)`.
+  and the [B, gamma, V] buffer verification read q from. Needs `top_k_drafts(sp, V)`.
   """
   values, ids = top_k_entries(logits, sp.top_k)
   x = scaled(values, sp)                                                    # [..., k] descending
