@@ -20,6 +20,7 @@
 #               continued for 1024 tokens (MagicDec / TriForce's PG-19 workload)
 #               (METHODS overrides the method list; WARMUP / MEASURE the window, default 6 / 12 s;
 #               BATCH the decode slots, default 128: the throughput goals' batch cap;
+#               REQUESTS the stream's length, default 512: short answers at B = 128 need more;
 #               SUFFIX is appended to the output file's name)
 #   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round
 #   levers      XLA command buffers (default, off, extended to WHILE/CONDITIONAL) and fused
@@ -142,7 +143,7 @@ for step in "$@"; do
       esac
       python3 -m benchmarks.throughput --model=$CKPT --workload=$workload --batch=${BATCH:-128} $extra \
         --methods=${METHODS:-none,streaming,quest,specextend,vegas-all,vegas,vegas@${RATIO:-0.07}} \
-        --gammas=default=${GAMMA:-6} $EOS_FLAG --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+        --gammas=default=${GAMMA:-6} $EOS_FLAG --num_requests=${REQUESTS:-512} --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_$step$TAG$EOS_TAG${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     scale)
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.8   # torch's copy (the ceiling) needs room beside JAX
@@ -182,7 +183,7 @@ for step in "$@"; do
       python3 -m benchmarks.throughput --model=/tmp/ckpt/qwen2.5-coder-1.5b \
         --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b --workload=${WORKLOAD:-short} \
         --batch=${BATCH:-128} --methods=${METHODS:-none,vegas:6,draft:2,draft:3,draft:4} \
-        --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+        --num_requests=${REQUESTS:-512} --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-short}_draft${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     sts)
       T=/tmp/ckpt/qwen2.5-coder-1.5b D=/tmp/ckpt/qwen2.5-coder-0.5b maps=
@@ -214,13 +215,13 @@ for step in "$@"; do
         --specattn_map=$T/specattn_map.qwen2_5-coder-0_5b.json --attn_cap=${ATTN_CAP:-4096} \
         --workload=${WORKLOAD:-long} \
         --batch=${BATCH:-32} --methods=${METHODS:-none,draft:4,sts@256,specattn@0.95} \
-        --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+        --num_requests=${REQUESTS:-512} --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-long}_sparse${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     ssv_e2e)
       python3 -m benchmarks.throughput --model=nsa:/tmp/ckpt/qwen2.5-coder-1.5b \
         --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b --workload=${WORKLOAD:-short} \
         --batch=${BATCH:-32} --methods=${METHODS:-none,ssv,ssv@strict.4} --gammas=default=4 \
-        ${SCHEDULE:+--ssv_schedule=$SCHEDULE} --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+        ${SCHEDULE:+--ssv_schedule=$SCHEDULE} --num_requests=${REQUESTS:-512} --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --out=$OUT/throughput_${WORKLOAD:-short}_ssv${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     ssv_calibrate)
       # bfloat16, as the 1.5B is served (ssv_e2e, ssv_plan); each candidate is one pass. The log
@@ -244,7 +245,7 @@ for step in "$@"; do
         python3 -m benchmarks.throughput --model=nsa:$CKPT --draft_model=/tmp/ckpt/qwen2.5-coder-0.5b \
           --workload=${WORKLOAD:-short} --batch=${BATCH:-32} --methods=${METHODS:-none,ssv@strict.4} \
           --gammas=default=4 --plan=/tmp/plan/ssv_profile.json ${SCHEDULE:+--ssv_schedule=$SCHEDULE} \
-          --num_requests=512 --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
+          --num_requests=${REQUESTS:-512} --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
           --out=$OUT/throughput_${WORKLOAD:-short}_ssv_plan${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12
       fi ;;
     ssv)

@@ -200,7 +200,7 @@ MIN_TOKENS, MAX_TOKENS, MAX_NEW, REQUESTS = 40, 56, 12, 3
 
 def run_throughput(tmp_path, monkeypatch, capsys, loaded, **flag_values):
   """benchmarks.throughput's main on the continuation workload, greedy, every request served to
-  the end; returns (the JSON, the plot titles it would draw, stdout)."""
+  the end; returns (the JSON, the plot titles it would draw, stdout and stderr)."""
   from absl import flags
   from absl.testing import flagsaver
   from benchmarks import throughput
@@ -218,7 +218,7 @@ def run_throughput(tmp_path, monkeypatch, capsys, loaded, **flag_values):
                   stagger=False, temperature=0.0, out=str(out))
   with flagsaver.flagsaver(**{**settings, **flag_values}):
     throughput.main([])
-  return json.loads(out.read_text()), titles, capsys.readouterr().out
+  return json.loads(out.read_text()), titles, capsys.readouterr()
 
 
 def test_throughput_honours_eos_by_default_and_reports_repetition(tmp_path, monkeypatch, capsys,
@@ -236,7 +236,8 @@ def test_throughput_honours_eos_by_default_and_reports_repetition(tmp_path, monk
   loaded = dataclasses.replace(tiny_loaded, cfg=cfg)
   # Method 'none' only: the rows are built alike for every method, and a speculative method
   # would add ~25 s of compiling on the CPU.
-  payload, titles, stdout = run_throughput(tmp_path, monkeypatch, capsys, loaded)
+  payload, titles, captured = run_throughput(tmp_path, monkeypatch, capsys, loaded)
+  stdout = captured.out
   assert payload["ignore_eos"] is False and payload["eos"].startswith("honoured")
   assert payload["stop_ids"] == sorted({stop, 151645})
   assert payload["sampling"] == dict(temperature=0.0, top_p=0.95, top_k=20, seed=0)
@@ -264,8 +265,9 @@ def test_throughput_honours_eos_by_default_and_reports_repetition(tmp_path, monk
 
 
 def test_throughput_ignore_eos_is_marked(tmp_path, monkeypatch, capsys, tiny_loaded):
-  payload, titles, stdout = run_throughput(tmp_path, monkeypatch, capsys, tiny_loaded,
-                                           ignore_eos=True)
+  payload, titles, captured = run_throughput(tmp_path, monkeypatch, capsys, tiny_loaded,
+                                             ignore_eos=True)
+  stdout = captured.out
   assert payload["ignore_eos"] is True and payload["stop_ids"] == []
   assert payload["eos"].startswith("ignored")
   row, = payload["rows"]
@@ -273,3 +275,7 @@ def test_throughput_ignore_eos_is_marked(tmp_path, monkeypatch, capsys, tiny_loa
   assert [r[1] for r in row["per_request"]] == [MAX_NEW] * REQUESTS     # all ran to the budget
   assert "(ignore_eos)" in titles[0]
   assert any(line.startswith("none (ignore_eos)") for line in stdout.splitlines())
+  # Three requests in two slots: the last one decodes beside an empty slot, and the harness says
+  # the stream ran out (it biases a row against the methods that finish sooner).
+  assert row["idle_slot_share"] > 0.01
+  assert "none: the request stream ran out" in captured.err and "--num_requests" in captured.err
