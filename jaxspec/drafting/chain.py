@@ -4,8 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.engine.sampling import (SamplingParams, sample, sample_top_k, sample_with_probs,
-                                     top_k_drafts)
+from jaxspec.engine.sampling import SamplingParams, sample, sample_draft
 from jaxspec.model.attention import Plan
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
@@ -38,8 +37,7 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
     # fused it into several of the sampler's passes over them, reading the head's weights three
     # times a step (1.6 ms of a vegas round at the 1.5B's shapes, B = 64 x 24K, H100).
     logits = jax.lax.optimization_barrier(logits)
-    draw = sample_top_k if top_k_drafts(sampling, logits.shape[-1]) else sample_with_probs
-    return (cache, *draw(step_key, logits, sampling), scores)
+    return (cache, *sample_draft(step_key, logits, sampling), scores)
 
   t0 = first.shape[1]
   cache, d1, p1, s1 = step(cache, first, 0, step_keys[0])

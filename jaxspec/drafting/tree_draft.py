@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.drafting.trees import Tree
-from jaxspec.engine.sampling import (SamplingParams, probabilities, sample_top_k,
-                                     sample_with_probs, top_k_drafts)
+from jaxspec.engine.sampling import SamplingParams, TopK, probabilities, sample_draft
 from jaxspec.model.attention import Dense, Plan, Sparse
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
@@ -46,11 +45,9 @@ def _children(key: jax.Array, logits: jax.Array, width: int, sampling: SamplingP
     return jax.lax.top_k(flat, width)[1].astype(jnp.int32).reshape(b, n, width), None
   flat = jax.lax.optimization_barrier(flat)   # written once, as in `chain.draft_chain`
   if width == 1:   # as a chain draws (`chain.draft_chain`); tree acceptance reads q dense
-    if top_k_drafts(sampling, vocab):
-      tokens, q = sample_top_k(key, flat, sampling)
+    tokens, q = sample_draft(key, flat, sampling)
+    if isinstance(q, TopK):
       q = q.dense(vocab)
-    else:
-      tokens, q = sample_with_probs(key, flat, sampling)
     return tokens.reshape(b, n, 1), q.reshape(b, n, vocab)
   q = probabilities(flat, sampling)
   noisy = jnp.where(q > 0, jnp.log(q) + jax.random.gumbel(key, q.shape, jnp.float32), -jnp.inf)

@@ -3,9 +3,9 @@
 The target's distribution p is `probabilities` of its logits, in plain decoding and in
 verification alike: that is the distribution the output follows. Speculative sampling is lossless
 for any draft distribution q, provided verification is given the q each draft was drawn from; a
-q close to p accepts more. Chain drafts draw from `sample_top_k` (the same transforms over the
-top-k logits only, kept as k (id, probability) pairs) when top-k is on and small, otherwise from
-`sample_with_probs` (the whole row, exactly `probabilities`).
+q close to p accepts more. Draft steps draw through `sample_draft`: from `sample_top_k` (the same
+transforms over the top-k logits only, kept as k (id, probability) pairs) when top-k is on and
+small, otherwise from `sample_with_probs` (the whole row, exactly `probabilities`).
 """
 from __future__ import annotations
 
@@ -199,6 +199,15 @@ def top_k_drafts(sp: SamplingParams, vocab: int) -> bool:
   """Whether drafts under `sp` over a vocabulary of `vocab` draw from `sample_top_k`:
   sampled, with 0 < top_k <= 64 and below the vocabulary (top-k is off at or above it)."""
   return not sp.greedy and 0 < sp.top_k <= TOP_K_SPARSE_MAX and sp.top_k < vocab
+
+
+def sample_draft(key: jax.Array, logits: jax.Array, sp: SamplingParams
+                 ) -> tuple[jax.Array, jax.Array | TopK]:
+  """A draft step's draw of one token per row of logits [..., V] (not greedy) and the distribution
+  verification reads: `sample_top_k` when `top_k_drafts(sp, V)`, else `sample_with_probs`."""
+  if top_k_drafts(sp, logits.shape[-1]):
+    return sample_top_k(key, logits, sp)
+  return sample_with_probs(key, logits, sp)
 
 
 def sample_top_k(key: jax.Array, logits: jax.Array, sp: SamplingParams
