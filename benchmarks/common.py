@@ -209,6 +209,29 @@ def kernel_times(events: list[dict], top: int = 25) -> dict:
                        for n, t in us.most_common(top)])
 
 
+# Families of GPU kernels in a decode step or a speculative round, by kernel name: our Pallas
+# kernels carry their own names; XLA's GEMMs are its Triton GEMM fusions and cuBLAS's kernels.
+# First match wins; the rest is "other" (XLA's elementwise and reduction fusions, copies).
+KERNEL_FAMILIES = (
+    ("verify attention", ("verify_attention",)),
+    ("draft attention", ("sparse_attention",)),
+    ("top-k selection", ("topk_select",)),
+    ("GEMMs", ("gemm_fusion", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("sorts", ("sort",)),
+)
+
+
+def kernel_families(kernels: Sequence[Mapping]) -> dict[str, float]:
+  """GPU microseconds per family of `KERNEL_FAMILIES` (plus "other") from a `kernel_times` list
+  of {name, us, calls}; every listed kernel lands in exactly one family."""
+  us = {name: 0.0 for name, _ in KERNEL_FAMILIES} | {"other": 0.0}
+  for k in kernels:
+    family = next((name for name, prefixes in KERNEL_FAMILIES
+                   if k["name"].startswith(prefixes)), "other")
+    us[family] += k["us"]
+  return {name: round(t, 1) for name, t in us.items()}
+
+
 def parse_tokens(text: str, name: str) -> int:
   """'16384' or '16K' (K = 1024) -> tokens; a one-line ValueError otherwise."""
   m = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", str(text))

@@ -77,8 +77,8 @@ from absl import app, flags
 
 from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, error_text,
-                               filled_state, git_commit, kernel_table, load, matched_repetition,
-                               repetition_summary, time_fn, write_json)
+                               filled_state, git_commit, kernel_families, kernel_table, load,
+                               matched_repetition, repetition_summary, time_fn, write_json)
 from jaxspec import cli, requests, ssv
 from jaxspec.drafting.draft_model import DraftModelState
 from jaxspec.drafting.specattn import DEFAULT_TOP_P, SpecAttnState
@@ -154,7 +154,8 @@ _STAGGER = flags.DEFINE_bool("stagger", True, "the first B requests stop after m
                              "/ B tokens, so slots finish spread out as in a long-running server "
                              "(not all at once, then B refills in a row)")
 _TRACE = flags.DEFINE_bool("trace", False, "scale workload: GPU time per kernel of one chunk "
-                           "(jax.profiler) in the JSON")
+                           "(jax.profiler) and per kernel family (attention, selection, GEMMs, "
+                           "sorts, other) in the JSON")
 _PROFILE = flags.DEFINE_bool("profile", True, "measure phase time shares (speculative methods)")
 _PLOT_ONLY = flags.DEFINE_string("plot_only", None, "redraw the PNG of an existing JSON and exit")
 _OUT = flags.DEFINE_string("out", None,
@@ -342,8 +343,15 @@ def scale_run(model, draft_model, methods, batch: int, context: int, sampling: S
                  note="random weights: acceptance meaningless; ms per step (none) or per "
                       "draft+verify round")
       if _TRACE.value:
-        row["trace"] = kernel_table(run, top=60)
+        # Enough kernels that the families cover the chunk: 99% of its GPU time at the 1.5B's
+        # shapes lies in the 60 most expensive.
+        row["trace"] = kernel_table(run, top=200)
         row["trace"]["per"] = f"one chunk of {steps} rounds"
+        families = kernel_families(row["trace"]["kernels"])
+        row["trace"]["families_us"] = families
+        total = row["trace"]["device_us"] or 1.0   # 0 where no GPU stream was traced
+        row["trace"]["family_shares"] = {name: round(us / total, 4)
+                                         for name, us in families.items()}
       if runner.speculative:
         holder[0], row["phases"] = phase_times(runner, holder[0])
       rows.append(row)
@@ -353,6 +361,10 @@ def scale_run(model, draft_model, methods, batch: int, context: int, sampling: S
     print({k: v for k, v in rows[-1].items() if k != "trace"}, file=sys.stderr)
     for k in rows[-1].get("trace", {}).get("kernels", [])[:12]:
       print(f"   {k['us']:>10.1f} us {k['calls']:>5}x  {k['name']}", file=sys.stderr)
+    if "trace" in rows[-1]:
+      print("   shares of GPU time: " + ", ".join(
+          f"{name} {share:.1%}" for name, share in rows[-1]["trace"]["family_shares"].items()),
+            file=sys.stderr)
   return rows
 
 

@@ -156,6 +156,49 @@ def test_kernel_times_counts_only_gpu_stream_lines():
   assert t["lines"] == ["Stream #14(Compute)", "XLA Ops"]
 
 
+def test_kernel_families_sort_every_kernel_into_one_family():
+  from benchmarks.common import kernel_families
+  kernels = [dict(name="verify_attention_t7_g6_d128_scores_sum", us=100.0, calls=28),
+             dict(name="sparse_attention_t1_g6_d128", us=50.0, calls=168),
+             dict(name="topk_select_d4", us=4.0, calls=1),
+             dict(name="gemm_fusion_dot_901", us=20.0, calls=168),
+             dict(name="nvjet_sm90_tss_96x64_64x8_2x1_v_bz_NNN", us=10.0, calls=168),
+             dict(name="sort_14_1", us=1.5, calls=5),
+             dict(name="loop_add_fusion_85", us=3.0, calls=168),
+             dict(name="memcpy32_post", us=0.5, calls=12)]
+  got = kernel_families(kernels)
+  assert got == {"verify attention": 100.0, "draft attention": 50.0, "top-k selection": 4.0,
+                 "GEMMs": 30.0, "sorts": 1.5, "other": 3.5}
+  assert kernel_families([]) == dict.fromkeys(got, 0.0)
+
+
+def test_throughput_scale_trace_reports_family_shares(monkeypatch, capsys):
+  """--trace: the chunk's kernel table, its families and their shares of the GPU time."""
+  from absl import flags
+  from absl.testing import flagsaver
+  from benchmarks import throughput
+  from jaxspec.engine.sampling import SamplingParams
+  from jaxspec.model.config import ModelConfig
+  from jaxspec.model.transformer import init_random
+  flags.FLAGS.mark_as_parsed()
+  table = dict(device_us=200.0, wall_us=210.0, lines=["Stream #14(Compute)"],
+               kernels=[dict(name="verify_attention_t1_g2_d16", us=150.0, calls=4),
+                        dict(name="gemm_fusion_dot_3", us=40.0, calls=8),
+                        dict(name="loop_add_fusion", us=10.0, calls=8)])
+  monkeypatch.setattr(throughput, "kernel_table", lambda fn, top: dict(table))
+  cfg = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+  with flagsaver.flagsaver(trace=True, profile=False):
+    row, = throughput.scale_run(init_random(cfg, dtype=jnp.bfloat16), None, ["none"], 2, 64,
+                                SamplingParams(), "reference")
+  assert row["trace"]["families_us"]["verify attention"] == 150.0
+  assert row["trace"]["families_us"]["GEMMs"] == 40.0
+  assert row["trace"]["family_shares"] == {
+      "verify attention": 0.75, "draft attention": 0.0, "top-k selection": 0.0, "GEMMs": 0.2,
+      "sorts": 0.0, "other": 0.05}
+  assert "verify attention 75.0%, draft attention 0.0%" in capsys.readouterr().err
+
+
 def test_throughput_method_entries():
   """--methods entries: method, method@ratio, method:gamma, method@ratio:gamma; the rest from
   --sparsity and --gammas (entry, then method, then default)."""
