@@ -210,11 +210,12 @@ def kernel_times(events: list[dict], top: int = 25) -> dict:
 
 
 # Families of GPU kernels in a decode step or a speculative round, by kernel name: our Pallas
-# kernels carry their own names; XLA's GEMMs are its Triton GEMM fusions and cuBLAS's kernels.
+# kernels carry their own names (dense attention: decoding and verification; sparse: the drafts');
+# XLA's GEMMs are its Triton GEMM fusions and cuBLAS's kernels.
 # First match wins; the rest is "other" (XLA's elementwise and reduction fusions, copies).
 KERNEL_FAMILIES = (
-    ("verify attention", ("verify_attention",)),
-    ("draft attention", ("sparse_attention",)),
+    ("dense attention", ("verify_attention",)),
+    ("sparse attention", ("sparse_attention",)),
     ("top-k selection", ("topk_select",)),
     ("GEMMs", ("gemm_fusion", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("sorts", ("sort",)),

@@ -167,7 +167,7 @@ def test_kernel_families_sort_every_kernel_into_one_family():
              dict(name="loop_add_fusion_85", us=3.0, calls=168),
              dict(name="memcpy32_post", us=0.5, calls=12)]
   got = kernel_families(kernels)
-  assert got == {"verify attention": 100.0, "draft attention": 50.0, "top-k selection": 4.0,
+  assert got == {"dense attention": 100.0, "sparse attention": 50.0, "top-k selection": 4.0,
                  "GEMMs": 30.0, "sorts": 1.5, "other": 3.5}
   assert kernel_families([]) == dict.fromkeys(got, 0.0)
 
@@ -191,12 +191,12 @@ def test_throughput_scale_trace_reports_family_shares(monkeypatch, capsys):
   with flagsaver.flagsaver(trace=True, profile=False):
     row, = throughput.scale_run(init_random(cfg, dtype=jnp.bfloat16), None, ["none"], 2, 64,
                                 SamplingParams(), "reference")
-  assert row["trace"]["families_us"]["verify attention"] == 150.0
+  assert row["trace"]["families_us"]["dense attention"] == 150.0
   assert row["trace"]["families_us"]["GEMMs"] == 40.0
   assert row["trace"]["family_shares"] == {
-      "verify attention": 0.75, "draft attention": 0.0, "top-k selection": 0.0, "GEMMs": 0.2,
+      "dense attention": 0.75, "sparse attention": 0.0, "top-k selection": 0.0, "GEMMs": 0.2,
       "sorts": 0.0, "other": 0.05}
-  assert "verify attention 75.0%, draft attention 0.0%" in capsys.readouterr().err
+  assert "dense attention 75.0%, sparse attention 0.0%" in capsys.readouterr().err
 
 
 def test_throughput_method_entries():
