@@ -343,8 +343,8 @@ def scale_run(model, draft_model, methods, batch: int, context: int, sampling: S
                  note="random weights: acceptance meaningless; ms per step (none) or per "
                       "draft+verify round")
       if _TRACE.value:
-        # Enough kernels that the families cover the chunk: 99% of its GPU time at the 1.5B's
-        # shapes lies in the 60 most expensive.
+        # The families sum the listed kernels: 200 list a whole chunk (the 60 most expensive
+        # held 98.5-99.2% of its GPU time at the 0.5B's and 1.5B's shapes).
         row["trace"] = kernel_table(run, top=200)
         row["trace"]["per"] = f"one chunk of {steps} rounds"
         families = kernel_families(row["trace"]["kernels"])
