@@ -27,7 +27,8 @@
 #               q/k/v and gate/up GEMMs (fused: --fuse_projections) on the scale workload at the
 #               0.5B's shapes, 64 x 24K, one process per setting (SETTINGS, default "default off
 #               while"; SHAPE, BATCH, CONTEXT, METHODS override); pdl / nopdl: fused, with XLA's
-#               programmatic dependent launch (--xla_gpu_enable_pdl) on / off
+#               programmatic dependent launch (--xla_gpu_enable_pdl) on / off; a setting that is
+#               one XLA flag (--xla_gpu_...=...) runs fused with it; TRACE=1 adds --trace
 #   draft       draft-model decoding, the 0.5B drafting for the 1.5B (both shipped and prepped:
 #               MODEL=0.5b prep, then MODEL=1.5b prep), against the 1.5B's vanilla and vegas in
 #               the same run; WORKLOAD short or long (default short), EOS honoured, sampled;
@@ -166,15 +167,18 @@ for step in "$@"; do
           fused)   flags= ;;
           pdl)     flags=--xla_gpu_enable_pdl=true ;;
           nopdl)   flags=--xla_gpu_enable_pdl=false ;;
-          *) echo "unknown setting $setting (default, off, while, fused, pdl, nopdl)"; exit 2 ;;
+          --xla_*) flags=$setting ;;   # any one XLA flag, with the fused projections
+          *) echo "unknown setting $setting (default, off, while, fused, pdl, nopdl, --xla_...=...)"; exit 2 ;;
         esac
         fuse=--fuse_projections; case $setting in default|off|while) fuse=--nofuse_projections ;; esac
+        # A flag setting's files are named after the flag: --xla_gpu_a_b=true -> levers_a_b-true.
+        setting=$(echo "${setting#--xla_gpu_}" | tr '=,+' '-__')
         # No stray blank: XLA reads an XLA_FLAGS that does not start with "--" as a file name.
         xla_flags=$(echo ${XLA_FLAGS:-} $flags)
         env ${xla_flags:+XLA_FLAGS="$xla_flags"} python3 -m benchmarks.throughput $fuse \
           --model=random:${SHAPE:-qwen2.5-coder-0.5b} --workload=scale --batch=${BATCH:-64} \
           --context=${CONTEXT:-24576} --methods=${METHODS:-none,vegas:6} --gammas=default=6 \
-          --out=$OUT/levers_$setting${SUFFIX:-}.json > $OUT/levers_$setting${SUFFIX:-}.log 2>&1
+          ${TRACE:+--trace} --out=$OUT/levers_$setting${SUFFIX:-}.json > $OUT/levers_$setting${SUFFIX:-}.log 2>&1
         rc=$?
         # The rows, or how the process ended (one setting's run once printed neither).
         grep "^{" $OUT/levers_$setting${SUFFIX:-}.log || { echo "$setting: exit $rc"; tail -5 $OUT/levers_$setting${SUFFIX:-}.log; }

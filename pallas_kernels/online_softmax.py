@@ -18,6 +18,8 @@ only the blocks between), `pack_bits` lays the bits out as the query tile.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,10 +114,15 @@ def combine_splits(o, m, l):
 
   lse2 is the base-2 log-sum-exp of the scaled logits. Rows with nothing visible get out = 0.
   """
-  m_max = jnp.max(m, axis=-2)
-  w = jnp.exp2(m - m_max[..., None, :])
-  l_sum = jnp.sum(w * l, axis=-2)
-  acc = jnp.sum(w[..., None] * o, axis=-3)
+  # The split axis is short and static: merged term by term, the merge is elementwise, which XLA
+  # emits as one fusion (as reductions over that axis it emitted two kernels a call).
+  ms = [m[..., i, :] for i in range(m.shape[-2])]
+  m_max = functools.reduce(jnp.maximum, ms)
+  l_sum = acc = 0.0
+  for i, m_i in enumerate(ms):
+    w = jnp.exp2(m_i - m_max)
+    l_sum = l_sum + w * l[..., i, :]
+    acc = acc + w[..., None] * o[..., i, :, :]
   out = acc / jnp.maximum(l_sum, 1e-30)[..., None]
   return out, m_max + jnp.log2(l_sum)
 
