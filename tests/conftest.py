@@ -134,3 +134,27 @@ def weights_smollm2_ckpt(weights_smollm2_gguf, tmp_path_factory):
     if not is_checkpoint(out):
       convert(weights_smollm2_gguf, out, progress=False)
   return out
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_ckpt(weights_smollm2_ckpt, tmp_path_factory):
+  """A checkpoint of SmolLM2's architecture, context and tokenizer cut down to 2 layers of width
+  64, with random weights: for the command lines' mechanics (flags, prompt files, stats lines,
+  map files, errors), which compile it in seconds where SmolLM2's 30 layers take half a minute
+  per program. Its text is noise; what the real model writes is tested on `weights_smollm2_ckpt`."""
+  import dataclasses
+
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from jaxspec.io.weights import checkpoint, flat
+  from jaxspec.model.transformer import init_random
+  cfg = dataclasses.replace(checkpoint.read_config(weights_smollm2_ckpt), hidden_size=64,
+                            intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=16)
+  params = flat(nnx.to_pure_dict(nnx.state(init_random(cfg, dtype=jnp.bfloat16, seed=0))))
+  # The tokenizer's files, as the conversion wrote them.
+  kept = {f.name: f for f in weights_smollm2_ckpt.iterdir()
+          if f.is_file() and f.name not in (checkpoint.CONFIG_FILE, checkpoint.PARAMS_FILES)}
+  return checkpoint.save(tmp_path_factory.mktemp("tiny") / "tiny-smollm2", cfg, params,
+                         copy_files=kept)

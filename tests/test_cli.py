@@ -1,4 +1,5 @@
-"""`python -m jaxspec.generate` end to end on the real SmolLM2 GGUF, and its error messages."""
+"""`python -m jaxspec.generate` end to end, and its error messages: what the model writes on the
+real SmolLM2 GGUF, the flags' mechanics on a 2-layer random-weight cut of it (`tiny_smollm2_ckpt`)."""
 import subprocess
 import sys
 
@@ -51,12 +52,10 @@ def test_greedy_generation_prints_text_and_stats(weights_smollm2_gguf):
   assert len(stats) == 1 and "new tokens" in stats[0] and "tok/s" in stats[0]
 
 
-def test_batch_from_prompt_file(weights_smollm2_ckpt, tmp_path):
-  # The converted checkpoint loads in a second where the GGUF takes ten (the GGUF path is the
-  # test above's).
+def test_batch_from_prompt_file(tiny_smollm2_ckpt, tmp_path):
   prompts = tmp_path / "prompts.txt"
   prompts.write_text("The capital of France is\n\nOne, two, three,\n")
-  res = run_cli(f"--model={weights_smollm2_ckpt}", f"--prompt_file={prompts}",
+  res = run_cli(f"--model={tiny_smollm2_ckpt}", f"--prompt_file={prompts}",
                 "--max_new_tokens=6", "--temperature=0.7", "--top_k=20", "--seed=3")
   assert res.returncode == 0, res.stderr[-2000:]
   assert res.stdout.count("=== [") == 2   # blank lines are skipped: two prompts, two completions
@@ -130,8 +129,8 @@ def test_prompt_file_that_is_not_utf8(tmp_path):
                         "(byte 0xe9 at offset 3)\n")
 
 
-def test_stats_line_counts_every_new_token_and_names_the_method_once(weights_smollm2_ckpt):
-  res = run_cli(f"--model={weights_smollm2_ckpt}", "--method=vegas", "--gamma=3",
+def test_stats_line_counts_every_new_token_and_names_the_method_once(tiny_smollm2_ckpt):
+  res = run_cli(f"--model={tiny_smollm2_ckpt}", "--method=vegas", "--gamma=3",
                 "--min_tokens=16", "--max_new_tokens=8", "--prompt=One, two, three, four,")
   assert res.returncode == 0, res.stderr[-2000:]
   stats = res.stderr.strip().splitlines()[-1]
@@ -139,10 +138,10 @@ def test_stats_line_counts_every_new_token_and_names_the_method_once(weights_smo
   assert stats.count("method") == 1 and "method vegas" in stats
 
 
-def test_fused_and_separate_projections_generate_the_same_text(weights_smollm2_ckpt):
+def test_fused_and_separate_projections_generate_the_same_text(tiny_smollm2_ckpt):
   """On one device generate runs q/k/v and gate/up as one GEMM each unless told not to; in
   float32 the greedy text is the same either way."""
-  args = (f"--model={weights_smollm2_ckpt}", "--dtype=float32", "--max_new_tokens=12",
+  args = (f"--model={tiny_smollm2_ckpt}", "--dtype=float32", "--max_new_tokens=12",
           "--prompt=One, two, three, four,")
   fused, apart = run_cli(*args), run_cli(*args, "--nofuse_projections")
   assert fused.returncode == 0, fused.stderr[-2000:]
@@ -150,14 +149,14 @@ def test_fused_and_separate_projections_generate_the_same_text(weights_smollm2_c
   assert fused.stdout.strip() and fused.stdout == apart.stdout
 
 
-def test_prompt_past_the_model_s_context(weights_smollm2_ckpt, tmp_path):
-  res = run_cli(f"--model={weights_smollm2_ckpt}", "--prompt=hi", "--max_len=100000")
+def test_prompt_past_the_model_s_context(tiny_smollm2_ckpt, tmp_path):
+  res = run_cli(f"--model={tiny_smollm2_ckpt}", "--prompt=hi", "--max_len=100000")
   assert res.returncode == 1
   assert res.stderr == ("jaxspec.generate: error: max_len=100000 exceeds the model's context of "
                         "8192 tokens (max_position_embeddings)\n")
   long = tmp_path / "long.txt"
   long.write_text("word " * 9000 + "\n")
-  res = run_cli(f"--model={weights_smollm2_ckpt}", f"--prompt_file={long}")
+  res = run_cli(f"--model={tiny_smollm2_ckpt}", f"--prompt_file={long}")
   assert res.returncode == 1
   assert res.stderr.startswith("jaxspec.generate: error: the prompt of 9")
   assert "exceeds the model's context of 8192 tokens" in res.stderr
@@ -220,8 +219,8 @@ def test_plan_a_bad_profile_fails_in_one_line_before_the_model_loads(tmp_path):
   assert "cannot read profile" in res.stderr
 
 
-def test_plan_generates_with_the_planner(weights_smollm2_ckpt, tmp_path):
-  res = run_cli(f"--model={weights_smollm2_ckpt}", f"--plan={_plan_file(tmp_path)}",
+def test_plan_generates_with_the_planner(tiny_smollm2_ckpt, tmp_path):
+  res = run_cli(f"--model={tiny_smollm2_ckpt}", f"--plan={_plan_file(tmp_path)}",
                 "--min_tokens=16", "--max_new_tokens=8", "--prompt=One, two, three, four,")
   assert res.returncode == 0, res.stderr[-2000:]
   stats = res.stderr.strip().splitlines()[-1]

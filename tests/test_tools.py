@@ -45,18 +45,18 @@ def test_benchmarks_the_tests_import_share_one_process():
   assert res.returncode == 0, res.stderr[-2000:]
 
 
-def test_acceptance_benchmark_logs_quietly(weights_smollm2_ckpt, tmp_path):
+def test_acceptance_benchmark_logs_quietly(tiny_smollm2_ckpt, tmp_path):
   data = tmp_path / "problems.jsonl"
   data.write_text(json.dumps({"problem": "What is 2 + 3?", "answer": "5"}) + "\n")
-  res = run_module("benchmarks.acceptance", f"--model={weights_smollm2_ckpt}", f"--data={data}",
+  res = run_module("benchmarks.acceptance", f"--model={tiny_smollm2_ckpt}", f"--data={data}",
                    "--num_prompts=1", "--max_new_tokens=4", "--methods=vegas",
                    f"--out={tmp_path / 'out.json'}")
   assert res.returncode == 0, res.stderr[-2000:]
   assert not INFO_LINE.search(res.stderr), res.stderr[:2000]   # orbax logged every array read
 
 
-def test_verbosity_brings_library_logging_back(weights_smollm2_ckpt):
-  res = run_module("jaxspec.generate", f"--model={weights_smollm2_ckpt}", "--prompt=hi",
+def test_verbosity_brings_library_logging_back(tiny_smollm2_ckpt):
+  res = run_module("jaxspec.generate", f"--model={tiny_smollm2_ckpt}", "--prompt=hi",
                    "--max_new_tokens=1", "--verbosity=0")
   assert res.returncode == 0, res.stderr[-2000:]
   assert INFO_LINE.search(res.stderr)

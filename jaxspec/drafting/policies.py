@@ -94,12 +94,15 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
   """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B]),
   k = `budget(prefix, ratio, min_tokens, k_max)` positions per sequence in every layer.
 
-  The sorting-free threshold select of `pallas_kernels.topk_select` (exact, ties to the lower
-  position, positions ascending; at 24 layers x 64 sequences x 33K positions `lax.top_k` sorts
-  every row, benchmarks/RESULTS.md): its Pallas kernel for bf16 scores on the 'pallas' backend
-  from `_TOPK_KERNEL_MIN_ROWS` rows up (one program a row leaves most SMs idle below that) and
-  always on 'interpret', its XLA form otherwise. Both return the same indices. On a `mesh` the
-  kernel runs under shard_map, each device over all rows of its (replicated) copy of the scores.
+  On the 'pallas' and 'interpret' backends, the sorting-free threshold select of
+  `pallas_kernels.topk_select` (exact, ties to the lower position, positions ascending; at 24
+  layers x 64 sequences x 33K positions `lax.top_k` sorts every row, benchmarks/RESULTS.md): its
+  Pallas kernel for bf16 scores on 'pallas' from `_TOPK_KERNEL_MIN_ROWS` rows up (one program a
+  row leaves most SMs idle below that) and always on 'interpret', its XLA form otherwise. On
+  'reference', the reference itself (`lax.top_k`: the same set, in descending score order; XLA:CPU
+  compiles it in a fraction of the time the threshold search's 60 sibling reductions take). On a
+  `mesh` the kernel runs under shard_map, each device over all rows of its (replicated) copy of
+  the scores.
   """
   n_layers, b, s = scores.shape
   bf16 = scores.dtype == jnp.bfloat16
@@ -107,6 +110,8 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
     method, interpret = "pallas", True
   elif backend == "pallas" and bf16 and n_layers * b >= _TOPK_KERNEL_MIN_ROWS:
     method, interpret = "pallas", False
+  elif backend == "reference":
+    method, interpret = "top_k", False
   else:
     method, interpret = "threshold", False
   k = jnp.tile(budget(prefix, ratio, min_tokens, k_max), n_layers)     # [L * B]

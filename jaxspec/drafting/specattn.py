@@ -64,15 +64,17 @@ DEFAULT_TOP_P = 0.97
 DENSE_LAYERS = 2   # the paper's: early layers' attention is diffuse (attention sinks)
 
 
-def kernel_or_xla(method: str, scores: jax.Array, interpret: bool, kernel_fits: bool = True
-                  ) -> str:
-  """A selection method as given, 'auto' resolved: 'pallas' where its kernel compiles (on a GPU,
-  not interpreted) and takes the scores (bf16, and `kernel_fits`), else the XLA 'threshold'
-  search; the two return the same set."""
+def kernel_or_xla(method: str, scores: jax.Array, interpret: bool, kernel_fits: bool = True, *,
+                  reference: str) -> str:
+  """A selection method as given, 'auto' resolved: on a GPU (not interpreted), 'pallas' where its
+  kernel takes the scores (bf16, and `kernel_fits`), else the XLA 'threshold' search; elsewhere
+  `reference`, the sorting reference (on XLA:CPU it compiles and runs several times faster than
+  the threshold search's sibling reductions). All return the same set."""
   if method != "auto":
     return method
-  on_gpu = not interpret and jax.default_backend() == "gpu"
-  return "pallas" if on_gpu and kernel_fits and scores.dtype == jnp.bfloat16 else "threshold"
+  if interpret or jax.default_backend() != "gpu":
+    return reference
+  return "pallas" if kernel_fits and scores.dtype == jnp.bfloat16 else "threshold"
 
 
 def check_top_p(p) -> float:
@@ -91,7 +93,7 @@ class SpecAttnConfig:
   (None: the cache capacity, i.e. no cap); dense_layers: the first target layers kept dense;
   topp_method: `topp_select`'s method, or 'auto' (default): 'pallas' compiled on a GPU with
   bf16 scores (2.2x the XLA 'threshold' search at the end-to-end shape, benchmarks/RESULTS.md),
-  else 'threshold'; the two return the same set.
+  else 'threshold' on a GPU and 'sort' elsewhere (`kernel_or_xla`); all return the same set.
   """
   layers: tuple[int, ...]
   top_p: float = DEFAULT_TOP_P
@@ -162,7 +164,7 @@ def kept_union(rows: jax.Array, start: jax.Array, spec: SpecAttnConfig, k_max: i
   g, u, b, s = rows.shape
   lengths = jnp.broadcast_to(start[None, None] + jnp.arange(g, dtype=jnp.int32)[:, None, None] + 1,
                              (g, u, b)).reshape(-1)
-  method = kernel_or_xla(spec.topp_method, rows, interpret)
+  method = kernel_or_xla(spec.topp_method, rows, interpret, reference="sort")
   idx, cnt = _topp.topp_select(rows.reshape(-1, s), lengths, p=spec.top_p, k_max=k_max,
                                method=method, interpret=interpret and method == "pallas")
   return capped_union(row_sets(idx, cnt, s).reshape(g, u, b, s), rows, start, k_max)

@@ -79,7 +79,8 @@ class STSConfig:
   target_kv_heads: the target's KV heads; budget: k, the prefix keys each target KV head reads per
   round, >= block; block: P, tokens per page (1: token granularity); topk_method: the per-row
   top-k's `topk_select` method, 'auto' (default: its Pallas kernel compiled on a GPU at P = 1 with
-  bf16 scores, else the XLA 'threshold' search; the same set), 'threshold' or 'pallas' (P = 1)."""
+  bf16 scores, else the XLA 'threshold' search on a GPU and `lax.top_k` elsewhere; the same set),
+  'threshold' or 'pallas' (P = 1)."""
   heads: tuple[tuple[tuple[int, int], ...], ...]
   draft_heads: int
   target_kv_heads: int
@@ -166,7 +167,7 @@ def head_select(rows: jax.Array, seen: jax.Array, limit: jax.Array, spec: STSCon
   w = rows.swapaxes(2, 3).reshape(g, ld * hd, b, s)[:, jnp.asarray(used)]
   in_range = jnp.arange(s) < seen[:, None, :, None]
   w = jnp.where(jnp.isfinite(w) & (w > 0) & in_range, w, 0)
-  method = kernel_or_xla(spec.topk_method, w, interpret, kernel_fits=p == 1)
+  method = kernel_or_xla(spec.topk_method, w, interpret, kernel_fits=p == 1, reference="top_k")
   if method == "pallas":          # bf16 token scores ranked as they are (P = 1: pages are tokens)
     pw = w.astype(jnp.bfloat16)
   else:
