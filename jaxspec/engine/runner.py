@@ -130,8 +130,15 @@ def _prefill(graphdefs, params, prompts, prompt_lens, max_new, key, *, config, m
   return prefill(target, draft, prompts, prompt_lens, max_new, key, config, max_new_buffer)
 
 
+# XLA's memory estimate for a decode loop over a large cache exceeds the device's limit (85.8 GB
+# against 59.6 at the 1.5B's B = 64 x 24K on an H100, a program that runs without it), and its
+# rematerialization then recomputes GEMMs and moves loop-invariant slices of the selection back
+# into the draft loop: 3% of a vegas round (benchmarks/RESULTS.md, twenty-eighth session).
+_LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+
+
 @functools.partial(jax.jit, static_argnames=("graphdefs", "config", "steps"),
-                   donate_argnames=("state",))
+                   donate_argnames=("state",), compiler_options=_LOOP_COMPILER_OPTIONS)
 def _chunk(graphdefs, params, state, *, steps, config):
   target, draft = _merge(graphdefs, params)
   if config.speculative:
