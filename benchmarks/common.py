@@ -127,8 +127,8 @@ def copy_rates(nbytes: int = 4 << 30, chain: int = 10) -> dict[str, float]:
   the best of them, not the first, is the ceiling (`copy_ceiling`). `chain` back-to-back
   launches per timed call, so host dispatch (tens of microseconds) does not dilute ~1 ms copies.
   """
-  if jax.default_backend() == "cpu":   # a smoke run: keep the buffers small
-    nbytes = min(nbytes, 256 << 20)
+  if jax.default_backend() == "cpu":   # a smoke run: keep the buffers small (256 MB took 23 s)
+    nbytes = min(nbytes, 16 << 20)
   x = jnp.ones((nbytes // 2,), jnp.bfloat16)
   rates = {}
   for name, f in (("xla_negate", jax.jit(lambda a: -a)), ("xla_copy", jax.jit(jnp.copy))):

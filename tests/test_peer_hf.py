@@ -26,7 +26,33 @@ def torch_one_thread():
 
 
 @pytest.fixture(scope="module")
-def payload(weights_smollm2_gguf, torch_one_thread, tmp_path_factory):
+def smollm2_side(weights_smollm2_gguf, torch_one_thread):
+  """SmolLM2 as both frameworks hold it (float32, CPU), loaded once: transformers' GGUF reader
+  takes half a minute. `payload`'s run drops HF's copy, so the test that reads it comes first."""
+  return peer_hf.load_side(str(weights_smollm2_gguf), peer_hf.Settings(device="cpu",
+                                                                      dtype="float32"))
+
+
+def test_hf_decode_windows_run_past_the_models_own_eos(smollm2_side):
+  """`generate` fills a None `eos_token_id` from the model's generation config: a greedy token
+  that is the model's EOS must not end a timed window (on the GPU a 4K random prompt's second
+  token was Qwen's <|im_end|>, and the row failed)."""
+  settings = peer_hf.Settings(batch_sizes=(1,), contexts=(16,), steps=3, reps=1, warmup=0,
+                              prefill_tokens=16, device="cpu", compile=False, dtype="float32")
+  model = smollm2_side.hf
+  assert model is not None, "run before the tests of `payload`, whose run drops HF's model"
+  prompts = peer_hf.random_prompts(1, 16, model.config.vocab_size, 0)
+  free = peer_hf.hf_decode_row(model, prompts, settings)["tokens"][0]
+  assert len(free) == 4   # the token not yet in the cache, then 3 steps
+  eos = model.generation_config.eos_token_id
+  model.generation_config.eos_token_id = free[1]
+  assert peer_hf.hf_decode_row(model, prompts, settings)["tokens"][0] == free
+  assert model.generation_config.eos_token_id == free[1]   # put back after each window
+  model.generation_config.eos_token_id = eos
+
+
+@pytest.fixture(scope="module")
+def payload(smollm2_side, tmp_path_factory):
   """One run of both sections: decode at B=2 x 64 tokens, and one AIME25/GSM8K prompt at batch 1
   with every HF method and jaxspec's vanilla (vegas and the draft model would each add ~30-60 s
   of compiling; their runs are `Runner.generate` calls like vanilla's). SmolLM2 is its own
@@ -35,7 +61,7 @@ def payload(weights_smollm2_gguf, torch_one_thread, tmp_path_factory):
                               prefill_tokens=64, decode_draft=False, prompts=1,
                               max_new_tokens=10, spec_methods=SPEC_METHODS, spec_warmup=False,
                               device="cpu", compile=False, dtype="float32")
-  target = peer_hf.load_side(str(weights_smollm2_gguf), settings)
+  target = smollm2_side
   checkpoints = []
   out = peer_hf.run(target, target, settings, checkpoints.append, copy_rate=1e10)
   assert target.hf is None   # HF's model is dropped before jaxspec runs
@@ -105,21 +131,6 @@ def test_summary(payload):
   assert s["decode_ratio_min"] == s["decode_ratio_max"] == payload["decode"][0]["ratio"]
   assert s["jaxspec_ahead_everywhere"] == (min(ratios) > 1)
   assert s["decode_rows_not_compared"] == 0
-
-
-def test_hf_decode_windows_run_past_the_models_own_eos(weights_smollm2_gguf, torch_one_thread):
-  """`generate` fills a None `eos_token_id` from the model's generation config: a greedy token
-  that is the model's EOS must not end a timed window (on the GPU a 4K random prompt's second
-  token was Qwen's <|im_end|>, and the row failed)."""
-  settings = peer_hf.Settings(batch_sizes=(1,), contexts=(16,), steps=3, reps=1, warmup=0,
-                              prefill_tokens=16, device="cpu", compile=False, dtype="float32")
-  model = peer_hf.hf_load(peer_hf.resolve_source(str(weights_smollm2_gguf)), torch.float32, "cpu")
-  prompts = peer_hf.random_prompts(1, 16, model.config.vocab_size, 0)
-  free = peer_hf.hf_decode_row(model, prompts, settings)["tokens"][0]
-  assert len(free) == 4   # the token not yet in the cache, then 3 steps
-  model.generation_config.eos_token_id = free[1]
-  assert peer_hf.hf_decode_row(model, prompts, settings)["tokens"][0] == free
-  assert model.generation_config.eos_token_id == free[1]   # put back after each window
 
 
 def test_failures_and_helpers():
