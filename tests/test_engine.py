@@ -148,3 +148,18 @@ def test_draft_model_context_is_checked(model):
   runner = Runner(model, method="draft", draft_model=short, gamma=2, cache_dtype=jnp.float32)
   with pytest.raises(ValueError, match="exceed the draft model's context"):
     runner.generate([[1] * 30], max_new_tokens=10)
+
+
+def test_compiled_chunks_are_reused_for_the_same_shapes_only(model):
+  """A chunk compiles once per state shape: the same batch again costs no compile, another batch
+  size compiles anew, and prefilling with a copy of the parameters (passed explicitly, so
+  described leaf by leaf) reuses the prefill compiled for the runner's own."""
+  runner = Runner(model, method="vegas", gamma=2, cache_dtype=jnp.float32)
+  state, first, _ = runner.start([list(range(5, 25))], 8)
+  state, compiled = runner.step(state, 2)
+  again, cached = runner.step(state, 2)
+  assert first > 0 and compiled > 0 and cached == 0.0
+  two, seconds, _ = runner.start([list(range(5, 25))] * 2, 8)
+  assert seconds > 0 and runner.step(two, 2)[1] > 0
+  params = jax.tree.map(jnp.copy, runner._params)
+  assert runner.start([list(range(5, 25))], 8, params=params)[1] == 0.0

@@ -159,6 +159,15 @@ def _extend(graphdefs, params, state, turns, turn_lens, max_new, *, config, chun
                             max_new_buffer)
 
 
+def _arrays_key(tree) -> tuple:
+  """What a compiled executable fixes about `tree`: its structure and each leaf's shape, dtype and
+  sharding (an executable refuses arguments placed otherwise than it was compiled for)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef, tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array)
+                        else (getattr(x, "shape", None), getattr(x, "dtype", type(x)))
+                        for x in leaves)
+
+
 class Runner:
   """Compiled decoding of one model with one method (see the module docstring).
 
@@ -291,6 +300,7 @@ class Runner:
     draft_gd, draft_params = nnx.split(draft_model) if draft_model is not None else (None, None)
     self._graphdefs = (target_gd, draft_gd)
     self._params = (target_params, draft_params)
+    self._params_key = _arrays_key(self._params)   # described once: see _compile
     self._compiled: dict = {}
 
   @property
@@ -341,11 +351,11 @@ class Runner:
 
   def _compile(self, jitted, *args, **static):
     """(compiled callable on the non-static args, seconds spent compiling: 0 when cached)."""
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    # The sharding too: an executable refuses arguments placed otherwise than it was compiled for.
-    key = (jitted, treedef, tuple(sorted(static.items(), key=lambda kv: kv[0])),
-           tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
-                  getattr(x, "sharding", None)) for x in leaves))
+    # The key is built before every chunk while the GPU waits (a chunk returns when its loop
+    # ends), so the runner's own parameters, which never change, are described once (230 leaves
+    # at 24 layers: 1.4 ms a chunk on a CPU core, 0.2-0.4 ms without them).
+    key = (jitted, tuple(sorted(static.items(), key=lambda kv: kv[0])),
+           tuple(self._params_key if a is self._params else _arrays_key(a) for a in args))
     if key in self._compiled:
       return self._compiled[key], 0.0
     t0 = time.perf_counter()
