@@ -161,11 +161,11 @@ def _extend(graphdefs, params, state, turns, turn_lens, max_new, *, config, chun
 
 def _arrays_key(tree) -> tuple:
   """What a compiled executable fixes about `tree`: its structure and each leaf's shape, dtype and
-  sharding (an executable refuses arguments placed otherwise than it was compiled for)."""
+  sharding (an executable refuses arguments placed otherwise than it was compiled for). Arrays
+  and `jax.ShapeDtypeStruct`s of the same shape, dtype and sharding describe alike."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return treedef, tuple((x.shape, x.dtype, x.sharding) if isinstance(x, jax.Array)
-                        else (getattr(x, "shape", None), getattr(x, "dtype", type(x)))
-                        for x in leaves)
+  return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)),
+                         getattr(x, "sharding", None)) for x in leaves)
 
 
 class Runner:
