@@ -157,7 +157,7 @@ def test_compiled_chunks_are_reused_for_the_same_shapes_only(model):
   runner = Runner(model, method="vegas", gamma=2, cache_dtype=jnp.float32)
   state, first, _ = runner.start([list(range(5, 25))], 8)
   state, compiled = runner.step(state, 2)
-  again, cached = runner.step(state, 2)
+  _, cached = runner.step(state, 2)
   assert first > 0 and compiled > 0 and cached == 0.0
   two, seconds, _ = runner.start([list(range(5, 25))] * 2, 8)
   assert seconds > 0 and runner.step(two, 2)[1] > 0

@@ -136,8 +136,8 @@ def test_weights_from_stored_logits_equal_the_second_pass(t, hq, hkv, d, rows, h
   np.testing.assert_allclose(sc[fin], rs[fin], rtol=2e-2, atol=1e-3)
 
 
-def _kernel_names(t, hq, d, **opts):
-  q, k = jnp.zeros((1, t, hq, d), jnp.bfloat16), jnp.zeros((1, 32, 1, d), jnp.bfloat16)
+def _kernel_names(t, hq, d, hkv=1, **opts):
+  q, k = jnp.zeros((1, t, hq, d), jnp.bfloat16), jnp.zeros((1, 32, hkv, d), jnp.bfloat16)
   jaxpr = jax.make_jaxpr(lambda q, k: va.verify_attention(
       q, k, k, jnp.zeros((1,), jnp.int32), interpret=True, **opts))(q, k)
   return set(re.findall(r"verify_attention_\w+", str(jaxpr)))
@@ -145,18 +145,16 @@ def _kernel_names(t, hq, d, **opts):
 
 def test_decode_runs_its_kv_heads_as_one_wide_head_where_one_tile_holds_every_row():
   """T * Hq <= 16 rows, head_dim < 128, Hkv a power of two with Hkv * D <= 128, no scores: one
-  program reads all Hkv heads' D columns of a key (Qwen2.5-0.5B decode: G = 14 over 128 columns)."""
-  def names(t, hq, hkv, d, **opts):
-    q, k = jnp.zeros((1, t, hq, d), jnp.bfloat16), jnp.zeros((1, 32, hkv, d), jnp.bfloat16)
-    jaxpr = jax.make_jaxpr(lambda q, k: va.verify_attention(
-        q, k, k, jnp.zeros((1,), jnp.int32), interpret=True, **opts))(q, k)
-    return set(re.findall(r"verify_attention_\w+", str(jaxpr)))
-  assert names(1, 14, 2, 64) == {"verify_attention_t1_g14_d128"}
-  assert names(2, 8, 4, 16) == {"verify_attention_t2_g8_d64"}
-  assert names(1, 14, 2, 64, score_kind="logits") == {"verify_attention_t1_g7_d64_scores_sum"}
-  assert names(2, 14, 2, 64) == {"verify_attention_t2_g7_d64"}      # 28 rows: two tiles
-  assert names(1, 9, 3, 64) == {"verify_attention_t1_g3_d64"}       # 192 columns
-  assert names(1, 8, 2, 128) == {"verify_attention_t1_g4_d128"}     # head_dim 128 already
+  program reads all Hkv heads' D columns of a key (Qwen2.5-0.5B decode: G = 14 over 128
+  columns)."""
+  names = _kernel_names
+  assert names(1, 14, 64, hkv=2) == {"verify_attention_t1_g14_d128"}
+  assert names(2, 8, 16, hkv=4) == {"verify_attention_t2_g8_d64"}
+  assert names(1, 14, 64, hkv=2, score_kind="logits") == {
+      "verify_attention_t1_g7_d64_scores_sum"}
+  assert names(2, 14, 64, hkv=2) == {"verify_attention_t2_g7_d64"}      # 28 rows: two tiles
+  assert names(1, 9, 64, hkv=3) == {"verify_attention_t1_g3_d64"}       # 192 columns
+  assert names(1, 8, 128, hkv=2) == {"verify_attention_t1_g4_d128"}     # head_dim 128 already
 
 
 def test_weights_store_is_chosen_by_the_bytes_it_moves():
