@@ -158,7 +158,9 @@ def _sparse_kernel(len_ref, tail_ref, cnt_ref, idx_ref, q_ref, k_ref, v_ref, *re
   def selected(carry):
     # Chunk [p*chunk, (p+1)*chunk) of the index list; every valid entry is seen by every row.
     base = p * chunk
-    live_n = jnp.clip(cnt_ref[()] - base, 0, chunk)
+    # The count clamped to the list here, not by the caller: a clamp there is one more kernel
+    # per layer and draft step.
+    live_n = jnp.clip(jnp.minimum(cnt_ref[()], idx_ref.shape[-1]) - base, 0, chunk)
     n_blocks = (live_n + block_k - 1) // block_k
     n_full = live_n // block_k
 
@@ -332,10 +334,11 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
                           **knobs) for t0 in range(0, t, rows)], axis=1)
   scale = d ** -0.5 if sm_scale is None else sm_scale
   kk = indices.shape[-1]
-  counts = jnp.clip(counts.astype(jnp.int32), 0, kk)
+  counts = counts.astype(jnp.int32)    # the kernel clamps them to [0, K]
   indices = indices.astype(jnp.int32)
   if kk == 0:   # nothing selected: one padding entry that count 0 never reads
     indices = jnp.zeros(indices.shape[:-1] + (1,), jnp.int32)
+    counts = jnp.zeros_like(counts)
   m_rows = pow2_rows(t * g)
   # Measured on an H100 (benchmarks/NOTES_kernels.md): with one 16-row tile (T=1) ~4 programs
   # per SM is best; with 32+ rows each gathered block costs more arithmetic and ~8 per SM is.

@@ -345,6 +345,20 @@ def test_sparse_attention(t, hq, hkv, d, per_head, kk, count_mode, knobs):
   assert _rel_err(out, ref) < 1e-2
 
 
+def test_sparse_counts_outside_the_list_read_as_the_whole_list_or_nothing():
+  """The kernel clamps each count to [0, K] itself (its caller passes them as they are)."""
+  b, s, t, hq, hkv, d, kk = 2, 64, 1, 4, 2, 64, 24
+  q = _normal((b, t, hq, d))
+  k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
+  idx = jnp.asarray(np.stack([_RNG.permutation(40)[:kk] for _ in range(b)]), jnp.int32)
+  tail_start, lengths = jnp.full((b,), 40, jnp.int32), jnp.full((b,), 50, jnp.int32)
+  out = sp.sparse_attention(q, k, v, idx, jnp.array([kk + 9, -3], jnp.int32), tail_start,
+                            lengths, interpret=True, block_k=16, num_splits=2)
+  ref = sp.sparse_attention_reference(q, k, v, idx, jnp.array([kk, 0], jnp.int32), tail_start,
+                                      lengths)
+  assert _rel_err(out, ref) < 1e-2
+
+
 def test_sparse_fully_masked_rows_are_zero():
   b, s, t, hq, hkv, d = 2, 40, 3, 4, 2, 64
   q = _normal((b, t, hq, d))

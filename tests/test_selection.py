@@ -1,12 +1,16 @@
 """KV selection policies: each picks what its definition says, on reference scores and hand-made caches."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec.drafting import pages, policies as selection
-from jaxspec.model.attention import Dense, QuestPages, ScoreSpec, attend
+from jaxspec.drafting.chain import draft_chain
+from jaxspec.engine.sampling import SamplingParams
+from jaxspec.model.attention import Dense, QuestPages, ScoreSpec, Sparse, attend, per_layer
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import init_random
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.topk_select import topk_select_reference
 from pallas_kernels.verify_attention import verify_attention_reference
@@ -230,3 +234,38 @@ def test_bad_settings_raise(kwargs, match):
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     selection.make_policy(args.pop("method"), **args)
+
+
+def test_per_layer_cuts_layer_arrays_and_leaves_other_plans_alone():
+  rng = np.random.default_rng(5)
+  plan = Sparse(indices=jnp.asarray(rng.integers(0, S, (L, B, 8)), jnp.int32),
+                counts=jnp.asarray(rng.integers(0, 9, (L, B)), jnp.int32),
+                tail_start=jnp.asarray(LENGTHS - 4))
+  cut = per_layer(plan, L)
+  for i in range(L):
+    np.testing.assert_array_equal(cut.for_layer(i).indices, plan.indices[i])
+    np.testing.assert_array_equal(cut.for_layer(i).counts, plan.counts[i])
+    np.testing.assert_array_equal(cut.for_layer(i).tail_start, plan.tail_start)
+  dense = Dense(scores=ScoreSpec(layers=(1,)))
+  assert per_layer(dense, L) is dense
+
+
+def test_a_draft_chain_reads_each_layers_selection_from_outside_its_loop():
+  """The chain's scan body takes the per-layer index lists as inputs: no [L, B, K] list inside it
+  for XLA to slice (and copy) again every step."""
+  cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=HQ * D, intermediate_size=16,
+                    num_layers=L, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+  model = init_random(cfg, dtype=jnp.float32, seed=1)
+  cache = KVCache.create(cfg, B, S, jnp.float32).replace(lengths=jnp.asarray(LENGTHS))
+  kk = 8
+  plan = Sparse(indices=jnp.zeros((L, B, kk), jnp.int32), counts=jnp.full((L, B), kk, jnp.int32),
+                tail_start=jnp.asarray(LENGTHS - 4))
+  first = jnp.zeros((B, 1), jnp.int32)
+  jaxpr = jax.make_jaxpr(lambda cache, plan, key: draft_chain(
+      model, cache, first, plan, "reference", 3, key, SamplingParams()))(
+          cache, plan, jax.random.key(0))
+  scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+  assert len(scans) == 1
+  shapes = [v.aval.shape for v in scans[0].params["jaxpr"].jaxpr.invars]
+  assert (B, kk) in shapes                      # each layer's list, cut outside
+  assert (L, B, kk) not in shapes and (L, B) not in shapes

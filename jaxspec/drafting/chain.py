@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.engine.sampling import SamplingParams, sample, sample_draft
-from jaxspec.model.attention import Plan
+from jaxspec.model.attention import Plan, per_layer
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
 
@@ -25,6 +25,7 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
   """
   start = cache.lengths
   step_keys = jax.random.split(key, gamma)
+  plan = per_layer(plan, model.cfg.num_layers)
 
   def step(cache, tokens, offset, step_key):
     positions = start[:, None] + offset + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]

@@ -31,6 +31,8 @@ Plans:
                reference, 'pallas' and 'interpret' SSV's kernels
                (`pallas_kernels/nsa_attention.py`; one device only); `attend` returns each row's
                selected blocks instead of scores.
+  PerLayer     another plan already cut per layer (`per_layer`): a loop that runs one plan every
+               iteration (a draft chain) cuts it once, outside the loop.
 Dense and Sparse take an optional `tree_bits` [T] or [B, T] int32 (a draft tree's
 `Tree.ancestor_bits`, shared by all layers): query t then sees what the plan shows it before
 `lengths` and key lengths + i iff bit i of tree_bits[t] is set (i < 32), instead of the causal
@@ -212,7 +214,25 @@ class NSA:
     return self
 
 
-Plan = Union[Prefill, Dense, Sparse, QuestPages, LayerMapped, NSA]
+@struct.dataclass
+class PerLayer:
+  """layers[i] is the plan layer i runs (`per_layer`)."""
+  layers: tuple
+
+  def for_layer(self, i: int):
+    return self.layers[i]
+
+
+Plan = Union[Prefill, Dense, Sparse, QuestPages, LayerMapped, NSA, PerLayer]
+
+
+def per_layer(plan: Plan, num_layers: int) -> Plan:
+  """`plan` cut into its layers' plans, where it holds per-layer arrays (Sparse, QuestPages);
+  others unchanged. A draft chain's steps all run one plan: cut inside its loop, XLA copies each
+  layer's slice of the index lists again every step."""
+  if not isinstance(plan, (Sparse, QuestPages)):
+    return plan
+  return PerLayer(tuple(plan.for_layer(i) for i in range(num_layers)))
 
 
 def as_nsa(plan: Plan) -> NSA:
