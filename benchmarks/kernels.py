@@ -49,10 +49,13 @@ flags.DEFINE_integer("batches", 7, "timed batches per measurement (median report
 flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
-flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "topp", "tree", "specattn",
-                                   "sts", "sts_verify"],
+flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "topp", "tree",
+                                   "specattn", "sts", "sts_verify"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
+                  "collect2: the verification kernel with and without Collect-2's scores at a "
+                  "vegas round's shapes (0.5B and 1.5B, B 64 and 128 x 24576, T = 7; Qwen3-8B, "
+                  "B 4 x 131072, T = 8), 8 chained calls each; "
                   "scores: split count and block_k of the scored verification kernel; "
                   "topp: the sorting-free top-p select against sorting and top-k; "
                   "tree: verification and sparse attention under a draft tree's mask against "
@@ -722,6 +725,8 @@ def main(argv):
     followup(q3, sh)
   elif FLAGS.plan == "scores":
     scores_plan(q3, sh)
+  elif FLAGS.plan == "collect2":
+    collect2_plan(q3, sh)
   elif FLAGS.plan == "topp":
     topp_plan(sh)
   elif FLAGS.plan == "tree":
@@ -788,6 +793,16 @@ def scores_plan(q3, sh):
   dense_case("qwen2.5-0.5b", 64, 16384 // sh, 5, ("perrow-logits", "perrow-weights"),
              with_ref=False, with_torch=False,
              variants=(dict(scores="perrow-weights", num_splits=8),))
+
+
+def collect2_plan(q3, sh):
+  """Collect-2's cost (issue 14's goal: at most 5% over the same verification without it)."""
+  for m in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+    for b in (64, 128):
+      dense_case(m, b, 24576 // sh, 7, ("off", "collect2"), with_ref=False, with_torch=False,
+                 chain=True)
+  dense_case(q3, 4, 131072 // sh, 8, ("off", "collect2"), with_ref=False, with_torch=False,
+             chain=True)
 
 
 def full(q3, sh, sweep_dense, sweep_sparse):
