@@ -1,4 +1,5 @@
-"""KV selection policies: each picks what its definition says, on reference scores and hand-made caches."""
+"""KV selection policies: each picks what its definition says, on reference scores and hand-made
+caches; and how a draft chain takes their selection, cut per layer once."""
 import jax
 import jax.numpy as jnp
 import numpy as np

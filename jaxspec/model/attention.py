@@ -219,7 +219,7 @@ class PerLayer:
   """layers[i] is the plan layer i runs (`per_layer`)."""
   layers: tuple
 
-  def for_layer(self, i: int):
+  def for_layer(self, i: int) -> "Plan":
     return self.layers[i]
 
 
