@@ -300,9 +300,13 @@ IGNORE_EOS_TAG = "(ignore_eos)"
 def error_text(e: BaseException, limit: int = 300) -> str:
   """A result row's error: 'Type: message' (the message cut at `limit`). An out-of-memory error
   starts with what to change, since JAX's default preallocation (75% of the GPU) is often what ran
-  out at a KV-filling batch."""
+  out at a KV-filling batch; a kernel whose tile outgrew an SM's shared memory (the same
+  RESOURCE_EXHAUSTED status) says that instead, since no memory fraction helps it."""
   text = f"{type(e).__name__}: {str(e)[:limit]}"
-  if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
+  if "Shared memory size limit exceeded" in str(e):
+    text = (f"a Pallas kernel's tile does not fit an SM's shared memory at these shapes (a "
+            f"smaller block_k or num_stages would); {text}")
+  elif "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e):
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset (JAX takes 0.75)")
     text = (f"out of GPU memory with XLA_PYTHON_CLIENT_MEM_FRACTION {fraction}: raise it "
             f"(benchmarks/run_gpu.sh sets 0.95) or lower --batch or the context; {text}")

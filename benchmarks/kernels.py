@@ -49,13 +49,16 @@ flags.DEFINE_integer("batches", 7, "timed batches per measurement (median report
 flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
-flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "topp", "tree",
-                                   "specattn", "sts", "sts_verify"],
+flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "gamma", "topp",
+                                   "tree", "specattn", "sts", "sts_verify"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "collect2: the verification kernel with and without Collect-2's scores at a "
                   "vegas round's shapes (0.5B and 1.5B, B 64 and 128 x 24576, T = 7; Qwen3-8B, "
                   "B 4 x 131072, T = 8), 8 chained calls each; "
+                  "gamma: the verification kernel at long rounds (T = gamma + 1 up to 17: "
+                  "more packed query rows than one 64-row tile), with and without Collect-2's "
+                  "scores, and its tile knobs there; "
                   "scores: split count and block_k of the scored verification kernel; "
                   "topp: the sorting-free top-p select against sorting and top-k; "
                   "tree: verification and sparse attention under a draft tree's mask against "
@@ -396,7 +399,9 @@ MODES = {"off": (None, (0, -1), False), "collect2": ("logits", (0, -1), False),
 def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(), chain=False,
                tree=None):
   """`tree`: widths per depth; the case then verifies that tree's T nodes under its mask (t is
-  ignored), with Collect-2's rows the root and the main path's leaf (`tree_score_spec`)."""
+  ignored), with Collect-2's rows the root and the main path's leaf (`tree_score_spec`).
+  chain: True adds a chained timing of each mode at default knobs; "only" times every mode and
+  variant chained, and only chained."""
   hq, hkv, d = MODELS[model]
   tree_kw, rows_of = {}, {}
   if tree is not None:
@@ -425,8 +430,9 @@ def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(
     label = " ".join(([f"scores={mode}"] if kind or not knobs else [])
                      + ([",".join(f"{a}={x}" for a, x in knobs.items())] if knobs else []))
     extra = dict(mode=mode, knobs=knobs) if knobs else dict(mode=mode)
-    record(name, f"pallas {label}", lambda fn=fn: time_jax(fn, qs), nbytes, **extra)
-    if chain and not knobs:
+    if chain != "only":
+      record(name, f"pallas {label}", lambda fn=fn: time_jax(fn, qs), nbytes, **extra)
+    if chain == "only" or (chain and not knobs):
       record(name, f"pallas {label} [chained]", lambda fn=fn: time_chain(fn, qs), nbytes,
              timing="chained", **extra)
   if with_ref:
@@ -727,6 +733,8 @@ def main(argv):
     scores_plan(q3, sh)
   elif FLAGS.plan == "collect2":
     collect2_plan(q3, sh)
+  elif FLAGS.plan == "gamma":
+    gamma_plan(q3, sh)
   elif FLAGS.plan == "topp":
     topp_plan(sh)
   elif FLAGS.plan == "tree":
@@ -803,6 +811,28 @@ def collect2_plan(q3, sh):
                  chain=True)
   dense_case(q3, 4, 131072 // sh, 8, ("off", "collect2"), with_ref=False, with_torch=False,
              chain=True)
+
+
+def gamma_plan(q3, sh):
+  """Verification at long rounds, 8 chained calls each: T = gamma + 1 rows whose G x T packed
+  query rows fill one 64-row tile (the 1.5B at gamma 8, the 0.5B at 8, Qwen3-8B at 12) or
+  outgrow it (gamma 10 and 12; Qwen3-8B 16), with and without Collect-2's scores, and the tile
+  knobs that bound its shared memory and registers."""
+  c2 = lambda **kn: dict(scores="collect2", **kn)
+  wide = ({"block_k": 128}, {"num_warps": 8}, {"num_warps": 8, "block_k": 64},
+          c2(num_warps=4), c2(num_warps=8), c2(num_warps=8, block_k=64), c2(block_k=64))
+  for m, b in (("qwen2.5-1.5b", 128), ("qwen2.5-1.5b", 64), ("qwen2.5-0.5b", 128)):
+    dense_case(m, b, 24576 // sh, 9, ("off", "collect2"), with_ref=False, with_torch=False,
+               chain="only", variants=(c2(block_k=32), c2(block_k=64), c2(num_splits=2),
+                                       c2(num_splits=3), c2(num_splits=6)))
+  dense_case("qwen2.5-1.5b", 128, 24576 // sh, 7, ("off", "collect2"), with_ref=False,
+             with_torch=False, chain="only")
+  for m in ("qwen2.5-1.5b", "qwen2.5-0.5b"):
+    for t in (11, 13):
+      dense_case(m, 128, 24576 // sh, t, ("off",), with_ref=False, with_torch=False,
+                 chain="only", variants=wide)
+  dense_case(q3, 4, 131072 // sh, 17, ("off",), with_ref=False, with_torch=False, chain="only",
+             variants=wide)
 
 
 def full(q3, sh, sweep_dense, sweep_sparse):

@@ -60,10 +60,13 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     columns, each head's output read from its own columns. One program then reads whole
     Hkv * D-wide rows instead of D-wide slices (Qwen2.5-0.5B decode: 128 bytes a row become 256;
     6% faster on an H100). Verification rows outgrow the tile, where it is slower.
-  * default block_k 128 (64 with 'logits' scores at head_dim < 128); default splits: at most ~4
-    programs per SM (at head_dim 128 one program fills an SM, so a partial last wave costs a whole
-    one), ~6 for 'logits' scores with a 64-row query tile, ~8 for a decode-sized tile (16 rows)
-    without scores at head_dim < 128 (measurements at `verify_attention`).
+  * default block_k 128 (64 with 'logits' scores at head_dim < 128, and for a 128-row query tile
+    at head_dim 128, whose scored kernel would not fit shared memory at 128); 8 warps for a
+    128-row scored tile at head_dim < 128, else 4; default splits: at most ~4 programs per SM (at
+    head_dim 128 one program fills an SM, so a partial last wave costs a whole one), ~6 for
+    'logits' scores with a 64-row query tile (never splits of exactly 64 blocks at head_dim 128),
+    ~8 for a decode-sized tile (16 rows) without scores at head_dim < 128 (`tiling`, with the
+    measurements).
 
 Backend: Pallas's Triton lowering: the kernel streams at the copy rate (below), so Mosaic GPU has
 little left to win here and has no row gather on Hopper for `sparse_attention`. Deprecated from
@@ -525,6 +528,53 @@ def _own_columns(o: jax.Array, hkv: int) -> jax.Array:
                              axis=3)[:, :, :, 0]
 
 
+def tiling(b: int, t: int, hq: int, hkv: int, d: int, s: int, score_kind: str | None,
+           block_k: int | None = None, num_warps: int | None = None,
+           num_splits: int | None = None) -> tuple[int, int, int]:
+  """`verify_attention`'s (block_k, num_warps, num_splits) for these shapes: the given ones, and
+  the defaults for those left None."""
+  m_rows = pow2_rows(t * (hq // hkv))
+  if block_k is None:
+    # Measured (benchmarks/NOTES_kernels.md): 128 is fastest with scores off (T=1, 8, 12; H100 and
+    # H200); with fused logit scores 64 is faster at head_dim 64 (H200, T=5 and 7). A 128-row
+    # tile at head_dim 128 takes 64 (an H200, 8 chained calls, benchmarks/RESULTS.md, thirty-first
+    # session): with Collect-2's scores 128 asks for 229 KB of shared memory (227 KB exist),
+    # without them the 1.5B at B=128 x 24576, T=13, takes 1113 us against 1811.
+    block_k = 64 if (score_kind == "logits" and d < 128) or (m_rows >= 128 and d >= 128) else 128
+    block_k = min(block_k, max(16, 1 << (s.bit_length() - 1)))   # a short cache: one tile or more
+  if block_k < 16 or block_k & (block_k - 1):
+    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+  if num_warps is None:
+    # A 128-row scored tile at head_dim 64 holds its accumulators in two warpgroups' registers:
+    # the 0.5B at B=128 x 24576, T=11, 755 us with 8 warps against 947 with 4 (same run).
+    num_warps = 8 if m_rows >= 128 and d < 128 and score_kind is not None else 4
+  blocks = pl.cdiv(s, block_k)
+  if num_splits:
+    return block_k, num_warps, num_splits
+  if score_kind == "logits" and m_rows >= 64:
+    # Measured on an H200 (kernels.py --plan=scores, two runs): the scored kernel with a 64-row
+    # tile wants more programs than the plain one, rounded down: Qwen3-8B B=4 x 131072, T=12:
+    # 16 splits 736 us, 24 565-576, 25 615, 32 581; B=16 x 32768: 4 splits 750, 5 564-568, 7 575,
+    # 8 578-580; Qwen2.5-0.5B B=64 x 16384, T=5: 4 splits 240, 5 206-210, 7 215, 8 197-198.
+    splits = default_splits(b * hkv, blocks, _SCORED_PROGRAMS, at_most=True)
+    per_split = pl.cdiv(blocks, splits)
+    if d >= 128 and splits > 1 and per_split >= 64 and per_split & (per_split - 1) == 0:
+      # Splits of exactly 64 key blocks ran the scored kernel 26-47% slower on an H200 at head_dim
+      # 128, in each of four shapes, where one split more or fewer did not: the 1.5B at B=128 x
+      # 24576, T=9 (3 splits 1087 us, 2 splits 788, 6 819; 8 chained calls, benchmarks/RESULTS.md,
+      # thirty-first session), at B=64 (3 splits 545 us, 6 432) and the two Qwen3-8B shapes above
+      # (16 and 4 splits). One split fewer, longer. (An H100 ran the 1.5B's 3 splits at B=128
+      # within 5% of scores off.)
+      splits -= 1
+    return block_k, num_warps, splits
+  if score_kind is None and m_rows <= 16 and d < 128:
+    # A 16-row tile at head_dim 64 leaves room for more programs per SM than head_dim 128's one
+    # (an H200, Qwen2.5-0.5B decode B=64 x 24576, T=1: 4 splits 231.9 us, 81.5% of copy; 8 splits
+    # 208.9, 90.5%; 16 splits 208.1; 32 splits 212.3).
+    return block_k, num_warps, default_splits(b * hkv, blocks, _SMALL_TILE_PROGRAMS, at_most=True)
+  return block_k, num_warps, default_splits(b * hkv, blocks, at_most=True)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
     "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store"))
@@ -533,7 +583,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      score_rows: tuple[int, ...] | None = (0, -1),
                      sm_scale: float | None = None, per_row: bool = False,
                      interpret: bool = False, block_k: int | None = None,
-                     num_splits: int | None = None, num_warps: int = 4,
+                     num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int = 3, tree_bits: jax.Array | None = None,
                      score_heads: str = "mean", score_dtype=jnp.bfloat16,
                      weights_store: bool | None = None) -> tuple[jax.Array, jax.Array | None]:
@@ -546,12 +596,10 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   reference's only (a ValueError here).
   Per-row 'logits' come from the main pass (each row's head-summed query, as for Collect-2);
   per-row 'weights' from a second pass over K, like the collected 'weights'. Knobs: `block_k` keys per
-  tile (power of two >= 16; default 128, or 64 with 'logits' scores at head_dim < 128, at most
-  the cache length rounded down to a power of two), `num_splits` splits of the sequence per
-  (sequence, KV head) (default: at most ~4 programs per SM; ~6 with 'logits' scores and 64 or
-  more packed query rows; ~8 with scores off, 16 packed rows or fewer and head_dim < 128),
-  Triton's `num_warps` and `num_stages` (a decode that runs its KV heads as one wide head, see
-  the module docstring, takes the knobs, and their defaults, of that head_dim).
+  tile (power of two >= 16), `num_splits` splits of the sequence per (sequence, KV head),
+  Triton's `num_warps` and `num_stages`; None takes the defaults of `tiling` (a decode that runs
+  its KV heads as one wide head, see the module docstring, takes the knobs, and their defaults,
+  of that head_dim).
   `weights_store`: collected 'weights' (not per row, no tree) from the main pass's stored logits
   rather than a second pass over K; None (the default) stores where that moves fewer bytes: the
   packed rows up to the last collected one, written and read back in f32, against one read of K
@@ -579,34 +627,14 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         sm_scale=d ** -0.5 if sm_scale is None else sm_scale, interpret=interpret,
         block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
     return _own_columns(out, hkv), None
-  if block_k is None:
-    # Measured (benchmarks/NOTES_kernels.md): 128 is fastest with scores off (T=1, 8, 12; H100 and
-    # H200); with fused logit scores 64 is faster at head_dim 64 (H200, T=5 and 7).
-    block_k = 64 if score_kind == "logits" and d < 128 else 128
-    block_k = min(block_k, max(16, 1 << (s.bit_length() - 1)))   # a short cache: one tile or more
-  if block_k < 16 or block_k & (block_k - 1):
-    raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
   if t > s:
     raise ValueError(f"T={t} new tokens do not fit a cache of {s}")
   g = hq // hkv
+  m_rows = pow2_rows(t * g)
+  block_k, num_warps, splits = tiling(b, t, hq, hkv, d, s, score_kind, block_k, num_warps,
+                                      num_splits)
   scale = d ** -0.5 if sm_scale is None else sm_scale
   rows = None if score_kind is None else normalize_rows(score_rows, t)
-  m_rows = pow2_rows(t * g)
-  if num_splits:
-    splits = num_splits
-  elif score_kind == "logits" and m_rows >= 64:
-    # Measured on an H200 (kernels.py --plan=scores, two runs): the scored kernel with a 64-row
-    # tile wants more programs than the plain one, rounded down: Qwen3-8B B=4 x 131072, T=12:
-    # 16 splits 736 us, 24 565-576, 25 615, 32 581; B=16 x 32768: 4 splits 750, 5 564-568, 7 575,
-    # 8 578-580; Qwen2.5-0.5B B=64 x 16384, T=5: 4 splits 240, 5 206-210, 7 215, 8 197-198.
-    splits = default_splits(b * hkv, pl.cdiv(s, block_k), _SCORED_PROGRAMS, at_most=True)
-  elif score_kind is None and m_rows <= 16 and d < 128:
-    # A 16-row tile at head_dim 64 leaves room for more programs per SM than head_dim 128's one
-    # (an H200, Qwen2.5-0.5B decode B=64 x 24576, T=1: 4 splits 231.9 us, 81.5% of copy; 8 splits
-    # 208.9, 90.5%; 16 splits 208.1; 32 splits 212.3).
-    splits = default_splits(b * hkv, pl.cdiv(s, block_k), _SMALL_TILE_PROGRAMS, at_most=True)
-  else:
-    splits = default_splits(b * hkv, pl.cdiv(s, block_k), at_most=True)
 
   qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g
   lengths = lengths.astype(jnp.int32)

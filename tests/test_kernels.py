@@ -59,6 +59,7 @@ VERIFY_CASES = [
     (12, 4, 1, 128, "logits", None, dict(block_k=16, num_splits=3)),     # all rows
     (12, 8, 2, 64, "weights", None, dict(block_k=16, num_splits=4)),
     (7, 4, 1, 128, "logits", (1, 3), {}),                                # default knobs
+    (11, 12, 2, 128, "logits", (0, -1), {}),          # a 128-row tile at its defaults (1.5B)
     (1, 14, 2, 64, None, (0, -1), dict(block_k=16, num_splits=3)),       # heads as one, 0.5B
     (2, 8, 4, 16, None, (0, -1), {}),                                    # heads as one, T = 2
 ]
@@ -271,6 +272,22 @@ def test_default_splits_stay_within_the_program_budget():
   assert splits(32, 1024, 528) == 17                    # the sparse kernel's rounding
   assert splits(1000, 1024, 528, at_most=True) == 1     # never zero
   assert splits(4, 3, 528, at_most=True) == 3           # never more than the blocks
+
+
+def test_verify_defaults_keep_long_rounds_within_the_gpu():
+  tiling = va.tiling
+  # A 128-row tile at head_dim 128 (the 1.5B's rounds from gamma = 10) reads 64 keys a block:
+  # 128 with Collect-2's scores asks for more shared memory than an H100 or H200 has.
+  assert tiling(128, 11, 12, 2, 128, 24576, "logits")[0] == 64
+  assert tiling(128, 9, 12, 2, 128, 24576, "logits")[0] == 128        # 64 rows: as before
+  # A 128-row scored tile at head_dim 64 (the 0.5B's from gamma = 9) runs two warpgroups.
+  assert tiling(128, 11, 14, 2, 64, 24576, "logits")[1] == 8
+  assert tiling(128, 11, 14, 2, 64, 24576, None)[1] == 4
+  # No scored split spans exactly 64 blocks at head_dim 128 (3 would, at B = 128 x 24576).
+  assert tiling(128, 9, 12, 2, 128, 24576, "logits")[2] == 2
+  assert tiling(64, 9, 12, 2, 128, 24576, "logits")[2] == 6           # 32 blocks each
+  assert tiling(4, 13, 32, 8, 128, 131072, "logits")[2] == 24         # 43 blocks each
+  assert tiling(128, 11, 12, 2, 128, 24576, "logits", 32, 2, 5) == (32, 2, 5)   # given knobs
 
 
 def test_verify_attention_bad_shapes():

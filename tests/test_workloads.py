@@ -167,6 +167,10 @@ def test_error_text_says_what_to_change_when_the_gpu_ran_out(monkeypatch):
                        "2.02GiB")
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION 0.8: raise it" in error_text(oom)
+  smem = RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 234496, "
+                      "available: 232448")
+  assert error_text(smem).startswith("a Pallas kernel's tile does not fit an SM's shared memory")
+  assert "MEM_FRACTION" not in error_text(smem)
 
 
 def test_results_written_before_the_field_read_ignore_eos_from_argv():
