@@ -548,31 +548,34 @@ def tiling(b: int, t: int, hq: int, hkv: int, d: int, s: int, score_kind: str | 
     # A 128-row scored tile at head_dim 64 holds its accumulators in two warpgroups' registers:
     # the 0.5B at B=128 x 24576, T=11, 755 us with 8 warps against 947 with 4 (same run).
     num_warps = 8 if m_rows >= 128 and d < 128 and score_kind is not None else 4
-  blocks = pl.cdiv(s, block_k)
   if num_splits:
     return block_k, num_warps, num_splits
-  if score_kind == "logits" and m_rows >= 64:
+  scored = score_kind == "logits" and m_rows >= 64
+  if scored:
     # Measured on an H200 (kernels.py --plan=scores, two runs): the scored kernel with a 64-row
     # tile wants more programs than the plain one, rounded down: Qwen3-8B B=4 x 131072, T=12:
     # 16 splits 736 us, 24 565-576, 25 615, 32 581; B=16 x 32768: 4 splits 750, 5 564-568, 7 575,
     # 8 578-580; Qwen2.5-0.5B B=64 x 16384, T=5: 4 splits 240, 5 206-210, 7 215, 8 197-198.
-    splits = default_splits(b * hkv, blocks, _SCORED_PROGRAMS, at_most=True)
-    per_split = pl.cdiv(blocks, splits)
-    if d >= 128 and splits > 1 and per_split >= 64 and per_split & (per_split - 1) == 0:
-      # Splits of exactly 64 key blocks ran the scored kernel 26-47% slower on an H200 at head_dim
-      # 128, in each of four shapes, where one split more or fewer did not: the 1.5B at B=128 x
-      # 24576, T=9 (3 splits 1087 us, 2 splits 788, 6 819; 8 chained calls, benchmarks/RESULTS.md,
-      # thirty-first session), at B=64 (3 splits 545 us, 6 432) and the two Qwen3-8B shapes above
-      # (16 and 4 splits). One split fewer, longer. (An H100 ran the 1.5B's 3 splits at B=128
-      # within 5% of scores off.)
-      splits -= 1
-    return block_k, num_warps, splits
-  if score_kind is None and m_rows <= 16 and d < 128:
+    programs = _SCORED_PROGRAMS
+  elif score_kind is None and m_rows <= 16 and d < 128:
     # A 16-row tile at head_dim 64 leaves room for more programs per SM than head_dim 128's one
     # (an H200, Qwen2.5-0.5B decode B=64 x 24576, T=1: 4 splits 231.9 us, 81.5% of copy; 8 splits
     # 208.9, 90.5%; 16 splits 208.1; 32 splits 212.3).
-    return block_k, num_warps, default_splits(b * hkv, blocks, _SMALL_TILE_PROGRAMS, at_most=True)
-  return block_k, num_warps, default_splits(b * hkv, blocks, at_most=True)
+    programs = _SMALL_TILE_PROGRAMS
+  else:
+    programs = online_softmax.DEFAULT_PROGRAMS
+  blocks = pl.cdiv(s, block_k)
+  splits = default_splits(b * hkv, blocks, programs, at_most=True)
+  per_split = pl.cdiv(blocks, splits)
+  if scored and d >= 128 and splits > 1 and per_split >= 64 and per_split & (per_split - 1) == 0:
+    # Splits of exactly 64 key blocks ran the scored kernel 26-47% slower on an H200 at head_dim
+    # 128, in each of four shapes, where one split more or fewer did not: the 1.5B at B=128 x
+    # 24576, T=9 (3 splits 1087 us, 2 splits 788, 6 819; 8 chained calls, benchmarks/RESULTS.md,
+    # thirty-first session), at B=64 (3 splits 545 us, 6 432) and the two Qwen3-8B shapes above
+    # (16 and 4 splits). One split fewer, longer. (An H100 ran the 1.5B's 3 splits at B=128
+    # within 5% of scores off.)
+    splits -= 1
+  return block_k, num_warps, splits
 
 
 @functools.partial(jax.jit, static_argnames=(
