@@ -21,7 +21,11 @@
 #               (METHODS overrides the method list; WARMUP / MEASURE the window, default 6 / 12 s;
 #               BATCH the decode slots, default 128: the throughput goals' batch cap;
 #               REQUESTS the stream's length, default 512: short answers at B = 128 need more;
+#               PROMPT_BUCKETS the padded prompt lengths per power of two, default 8;
 #               SUFFIX is appended to the output file's name)
+#   prefill     one-prompt prefills (a serving refill) of 16K-32K tokens against the bf16 matmul
+#               rate, random weights, the 1.5B then the 0.5B, prompts padded to powers of two and
+#               to eight lengths per power of two, with a kernel trace (SUFFIX as above)
 #   scale       Qwen3-8B shapes, random weights, 4 x 128K: ms per step and per round
 #   levers      XLA command buffers (default, off, extended to WHILE/CONDITIONAL) and fused
 #               q/k/v and gate/up GEMMs (fused: --fuse_projections) on the scale workload at the
@@ -145,7 +149,12 @@ for step in "$@"; do
       python3 -m benchmarks.throughput --model=$CKPT --workload=$workload --batch=${BATCH:-128} $extra \
         --methods=${METHODS:-none,streaming,quest,specextend,vegas-all,vegas,vegas@${RATIO:-0.07}} \
         --gammas=default=${GAMMA:-6} $EOS_FLAG --num_requests=${REQUESTS:-512} --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
-        --out=$OUT/throughput_$step$TAG$EOS_TAG${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
+        --prompt_buckets=${PROMPT_BUCKETS:-8} --out=$OUT/throughput_$step$TAG$EOS_TAG${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
+    prefill)
+      for shape in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do
+        python3 -m benchmarks.prefill --model=random:$shape --trace \
+          --out=$OUT/prefill_$shape${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12
+      done ;;
     scale)
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.8   # torch's copy (the ceiling) needs room beside JAX
       python3 -m benchmarks.throughput --model=random:qwen3-8b --workload=scale --batch=4 \

@@ -35,7 +35,8 @@ many): a lossless method's matched share equals vanilla's within noise.
 
 For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
 boundary (every --chunk_rounds rounds) its slot is refilled with the next request (prefill of one
-prompt + `jaxspec.engine.batching.insert_slot`); with --stagger (default) the first B requests have
+prompt, padded to one of --prompt_buckets lengths per power of two, +
+`jaxspec.engine.batching.insert_slot`); with --stagger (default) the first B requests have
 staggered lengths, so finishes and refills spread evenly from the start. After --warmup_s seconds
 the harness counts, over --measure_s seconds, the tokens produced and the wall time (refill prefills
 included, as a serving engine's throughput counter would; decode-only throughput is reported too),
@@ -85,7 +86,7 @@ from jaxspec.drafting.specattn import DEFAULT_TOP_P, SpecAttnState
 from jaxspec.engine.runner import DRAFT_MODEL_METHODS
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams
-from jaxspec.engine.state import SpecState, capacity_for
+from jaxspec.engine.state import PROMPT_BUCKETS, SpecState, capacity_for, prompt_bucket
 from jaxspec.io.loading import check_draft_pair
 from jaxspec.model.attention import default_backend
 from jaxspec.model.sharding import make_mesh
@@ -167,6 +168,8 @@ _PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.pl
 _FUSE = flags.DEFINE_bool("fuse_projections", True, "run the models with q/k/v and gate/up "
                           "each fused into one GEMM (jaxspec.model.transformer.fuse_projections), "
                           "as jaxspec.generate does; on one device (--tp > 1 keeps them apart)")
+_PROMPT_BUCKETS = flags.DEFINE_integer("prompt_buckets", PROMPT_BUCKETS, "padded prompt lengths "
+                                       "per power of two (a power of two; 1: powers of two)")
 _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a second device "
                                   "while the first one decodes (short and long workloads)")
 
@@ -287,7 +290,7 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
                 min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
                 draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
                 sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
-                tree_order=_TREE_ORDER.value, **settings)
+                tree_order=_TREE_ORDER.value, prompt_buckets=_PROMPT_BUCKETS.value, **settings)
 
 
 def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_total: int):
@@ -469,6 +472,7 @@ def main(argv):
       cli.fail(prog, str(e))
   try:
     make_mesh(_TP.value)   # too few devices: one line before anything loads
+    prompt_bucket(1, _PROMPT_BUCKETS.value)
   except ValueError as e:
     cli.fail(prog, str(e))
   planner = None
@@ -489,7 +493,7 @@ def main(argv):
                 sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
-                fuse_projections=_fusing(),
+                fuse_projections=_fusing(), prompt_buckets=_PROMPT_BUCKETS.value,
                 argv=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
@@ -533,6 +537,7 @@ def main(argv):
             planner.refinement, max_switches=0)
         runner = Runner(loaded.model, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
                         sampling=sampling, stop_ids=stop_ids, backend=backend,
+                        prompt_buckets=_PROMPT_BUCKETS.value,
                         planner=planning.Planner(planner.profile, planner.precision, refine),
                         **plan_ssv_settings(planner, loaded.model, draft_model))
         ratio = None

@@ -7,7 +7,7 @@ import pytest
 from jaxspec.model.attention import Dense, Prefill
 from jaxspec.model.config import ModelConfig
 from jaxspec.engine.runner import Runner
-from jaxspec.engine.state import make_batch
+from jaxspec.engine.state import bucket, make_batch, prompt_bucket
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
 from jaxspec.engine.sampling import SamplingParams, filter_logits, top_k_entries, top_k_values
@@ -154,6 +154,30 @@ def test_top_p_after_top_k_matches_full_sort(top_k, top_p):
 def test_invalid_sampling_values(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingParams(**kwargs)
+
+
+def test_prompts_pad_to_eight_lengths_a_power_of_two():
+  # Powers of two up to 128 tokens; past that, multiples of max(128, next power of two / 16).
+  lens = (1, 17, 128, 129, 300, 1025, 16385, 24577, 32768)
+  assert [prompt_bucket(n) for n in lens] == [16, 32, 128, 256, 384, 1152, 18432, 26624, 32768]
+  assert [prompt_bucket(n, 1) for n in lens] == [bucket(n) for n in lens]
+  for n in range(1, 70000, 97):
+    padded = prompt_bucket(n)
+    assert n <= padded <= bucket(n) and (n <= 1024 or padded - n < n / 8)
+  assert make_batch([[1] * 300], 4).prompts.shape == (1, 384)
+  assert make_batch([[1] * 300], 4, prompt_buckets=1).prompts.shape == (1, 512)
+  for bad in (0, 3, 12):
+    with pytest.raises(ValueError, match="prompt_buckets must be a power of two >= 1"):
+      prompt_bucket(5, bad)
+
+
+def test_a_prompt_padded_less_decodes_the_same_tokens(model):
+  prompt = np.random.default_rng(1).integers(0, CFG.vocab_size, 300).tolist()
+  fine, _ = gen(model, [prompt], max_new_tokens=6)                      # 384 rows prefilled
+  coarse, _ = gen(model, [prompt], max_new_tokens=6, prompt_buckets=1)  # 512 rows
+  assert fine == coarse and len(fine[0]) == 6
+  with pytest.raises(ValueError, match=r"prompt_buckets must be a power of two >= 1 .*, got 3$"):
+    Runner(model, prompt_buckets=3)
 
 
 def test_bad_batches():

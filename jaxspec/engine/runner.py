@@ -76,7 +76,8 @@ from jaxspec.engine.planner import Planner, Strategy, Tally, accepted_per_round,
 from jaxspec.engine.prefill import prefill
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.speculative import acceptance_summary, speculative_chunk, verify
-from jaxspec.engine.state import SpecState, bucket, capacity_for, decode_state, make_batch
+from jaxspec.engine.state import (PROMPT_BUCKETS, SpecState, bucket, capacity_for, decode_state,
+                                  make_batch, prompt_bucket)
 from jaxspec.engine.vanilla import decode_chunk
 from jaxspec.model import sharding
 from jaxspec.model.attention import check_backend, default_backend
@@ -199,7 +200,9 @@ class Runner:
   sparsity, tree; or SSV's gamma or tree, class and group, with `draft_model` and, for the reuse
   classes, `refresh` given here) `generate` and `serve` switch among at chunk boundaries: leave
   method, gamma, sparsity, tree, ssv_class and ssv_group unset then (one cache, sized for the
-  largest strategy, serves them all).
+  largest strategy, serves them all). prompt_buckets: padded prompt lengths per power of two
+  (`jaxspec.engine.state.prompt_bucket`; 1: powers of two): more compile more prefills, fewer pad
+  them more.
   Bad arguments raise a one-line ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
@@ -213,7 +216,10 @@ class Runner:
                attn_cap: int | None = None, sts_budget: int | None = None, sts_block: int = 1,
                head_map: "sts_map.HeadMap | None" = None, kv_offload: str = "device",
                planner: Planner | None = None, ssv_class: str | None = None,
-               ssv_group: int | None = None, refresh: Sequence[bool] | None = None):
+               ssv_group: int | None = None, refresh: Sequence[bool] | None = None,
+               prompt_buckets: int = PROMPT_BUCKETS):
+    prompt_bucket(1, prompt_buckets)   # refuses a bad count now, not at the first prefill
+    self.prompt_buckets = prompt_buckets
     self.planner = planner
     if planner is not None:
       if (method != "none" or gamma is not None or tree is not None or sparsity != 0.07
@@ -373,7 +379,7 @@ class Runner:
     start with."""
     max_len = requests.check_request(self.model.cfg, prompts, max_new_tokens, max_len)
     batch = make_batch(prompts, max_new_tokens, max_len, spare=self.spare,
-                       max_new_buffer=max_new_buffer)
+                       max_new_buffer=max_new_buffer, prompt_buckets=self.prompt_buckets)
     self._check_context(max_len)
     args = (self._params if params is None else params, jnp.asarray(batch.prompts),
             jnp.asarray(batch.prompt_lens), jnp.asarray(batch.max_new), jax.random.PRNGKey(seed))
