@@ -37,20 +37,23 @@ from jaxspec.model.attention import default_backend
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import fuse_projections
 
-_MODEL = flags.DEFINE_string("model", "random:qwen2.5-coder-1.5b",
-                             "random:<shape> (benchmarks/common.py SHAPES) or a jaxspec model spec")
-_LENS = flags.DEFINE_list("prompt_lens", ["16385", "20480", "24577", "28672", "31737"],
-                          "prompt lengths in tokens")
-_BUCKETS = flags.DEFINE_list("prompt_buckets", ["1", str(PROMPT_BUCKETS)],
-                             "padded prompt lengths per power of two, one row set each")
-_METHOD = flags.DEFINE_enum("method", "none", ["none", "vegas"], "whose prefill")
-_MAX_LEN = flags.DEFINE_integer("max_len", None, "cache slots per sequence (default: the longest "
-                                "prompt + 1024)")
-_REPS = flags.DEFINE_integer("reps", 5, "timed calls per row (median)")
-_MATMUL_N = flags.DEFINE_integer("matmul_n", 8192, "the ceiling's square bf16 matmul size")
-_FUSE = flags.DEFINE_bool("fuse_projections", True, "q/k/v and gate/up as one GEMM each")
-_TRACE = flags.DEFINE_bool("trace", False, "GPU time per kernel of one prefill per setting")
-_OUT = flags.DEFINE_string("out", "benchmarks/out/prefill.json", "JSON results")
+def define_flags() -> None:
+  """The flags, defined only when run as a program: the tests import `prefill_flops`, and another
+  benchmark's flags of the same names must not collide with these."""
+  flags.DEFINE_string("model", "random:qwen2.5-coder-1.5b",
+                      "random:<shape> (benchmarks/common.py SHAPES) or a jaxspec model spec")
+  flags.DEFINE_list("prompt_lens", ["16385", "20480", "24577", "28672", "31737"],
+                    "prompt lengths in tokens")
+  flags.DEFINE_list("prompt_buckets", ["1", str(PROMPT_BUCKETS)],
+                    "padded prompt lengths per power of two, one row set each")
+  flags.DEFINE_enum("method", "none", ["none", "vegas"], "whose prefill")
+  flags.DEFINE_integer("max_len", None, "cache slots per sequence (default: the longest prompt + "
+                       "1024)")
+  flags.DEFINE_integer("reps", 5, "timed calls per row (median)")
+  flags.DEFINE_integer("matmul_n", 8192, "the ceiling's square bf16 matmul size")
+  flags.DEFINE_bool("fuse_projections", True, "q/k/v and gate/up as one GEMM each")
+  flags.DEFINE_bool("trace", False, "GPU time per kernel of one prefill per setting")
+  flags.DEFINE_string("out", "benchmarks/out/prefill.json", "JSON results")
 
 
 def prefill_flops(cfg: ModelConfig, n: int) -> float:
@@ -67,39 +70,40 @@ def prefill_flops(cfg: ModelConfig, n: int) -> float:
 def main(argv):
   del argv
   cli.quiet_logging()
+  fv = flags.FLAGS
   prog = "benchmarks.prefill"
   try:
-    lens = [int(x) for x in _LENS.value]
-    settings = [int(x) for x in _BUCKETS.value]
+    lens = [int(x) for x in fv.prompt_lens]
+    settings = [int(x) for x in fv.prompt_buckets]
     if not lens or min(lens) < 1:
-      raise ValueError(f"--prompt_lens must be positive token counts, got {_LENS.value}")
+      raise ValueError(f"--prompt_lens must be positive token counts, got {fv.prompt_lens}")
     for per_octave in settings:
       prompt_bucket(1, per_octave)
   except ValueError as e:
     cli.fail(prog, str(e))
-  max_len = _MAX_LEN.value or max(lens) + 1024
+  max_len = fv.max_len or max(lens) + 1024
   if max_len <= max(lens):
     cli.fail(prog, f"--max_len={max_len} leaves no room after the longest prompt ({max(lens)})")
-  model, weights = load(_MODEL.value)
-  if _FUSE.value:
+  model, weights = load(fv.model)
+  if fv.fuse_projections:
     fuse_projections(model)
   cfg = model.cfg
-  rate, matmul_s = matmul_ceiling(_MATMUL_N.value)
+  rate, matmul_s = matmul_ceiling(fv.matmul_n)
   backend = default_backend()
-  print(f"{device_name()} | bf16 matmul {rate / 1e12:.0f} TFLOP/s | {_MODEL.value} ({weights}) "
-        f"| backend {backend} | method {_METHOD.value}", file=sys.stderr)
+  print(f"{device_name()} | bf16 matmul {rate / 1e12:.0f} TFLOP/s | {fv.model} ({weights}) "
+        f"| backend {backend} | method {fv.method}", file=sys.stderr)
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, max(lens))
   rows, traces = [], {}
   for per_octave in settings:
-    runner = Runner(model, method=_METHOD.value, backend=backend, prompt_buckets=per_octave)
+    runner = Runner(model, method=fv.method, backend=backend, prompt_buckets=per_octave)
     for n in lens:
       prompt = tokens[:n].tolist()
       padded = prompt_bucket(n, per_octave)
       row = dict(prompt_buckets=per_octave, prompt_len=n, padded_len=padded)
       try:
         run = lambda: runner.start([prompt], 1, max_len=max_len)[0]
-        seconds = time_fn(run, warmup=1, reps=_REPS.value)
-        if _TRACE.value and per_octave not in traces:
+        seconds = time_fn(run, warmup=1, reps=fv.reps)
+        if fv.trace and per_octave not in traces:
           traces[per_octave] = dict(prompt_len=n, **kernel_table(run, top=20))
       except Exception as e:   # one row's failure (memory, say) must not lose the others
         row["error"] = error_text(e)
@@ -114,13 +118,14 @@ def main(argv):
       print(f"buckets {per_octave} | {n:6d} tokens (padded {padded:6d}) | {row['ms']:8.2f} ms | "
             f"{row['tokens_per_s']:9.0f} tok/s | {row['tflops']:6.1f} TFLOP/s | "
             f"{row['x_floor']:.2f}x floor", file=sys.stderr)
-  write_json(_OUT.value, dict(
+  write_json(fv.out, dict(
       device=device_name(), commit=git_commit(), date=datetime.date.today().isoformat(),
-      model=_MODEL.value, weights=weights, method=_METHOD.value, backend=backend,
-      fuse_projections=_FUSE.value, max_len=max_len, matmul_tflops=rate / 1e12,
-      matmul_n=_MATMUL_N.value, matmul_ms=matmul_s * 1e3, argv=" ".join(sys.argv),
+      model=fv.model, weights=weights, method=fv.method, backend=backend,
+      fuse_projections=fv.fuse_projections, max_len=max_len, matmul_tflops=rate / 1e12,
+      matmul_n=fv.matmul_n, matmul_ms=matmul_s * 1e3, argv=" ".join(sys.argv),
       jax=jax.__version__, rows=rows, traces=traces))
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
