@@ -200,9 +200,9 @@ class Runner:
   sparsity, tree; or SSV's gamma or tree, class and group, with `draft_model` and, for the reuse
   classes, `refresh` given here) `generate` and `serve` switch among at chunk boundaries: leave
   method, gamma, sparsity, tree, ssv_class and ssv_group unset then (one cache, sized for the
-  largest strategy, serves them all). prompt_buckets: padded prompt lengths per power of two
-  (`jaxspec.engine.state.prompt_bucket`; 1: powers of two): more compile more prefills, fewer pad
-  them more.
+  largest strategy, serves them all). prompt_buckets: how many padded prompt lengths per power of
+  two (`jaxspec.engine.state.prompt_bucket`; 1: the powers of two): more lengths pad less and
+  compile more prefills.
   Bad arguments raise a one-line ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
