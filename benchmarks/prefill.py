@@ -37,6 +37,7 @@ from jaxspec.model.attention import default_backend
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import fuse_projections
 
+
 def define_flags() -> None:
   """The flags, defined only when run as a program: the tests import `prefill_flops`, and another
   benchmark's flags of the same names must not collide with these."""

@@ -1,5 +1,5 @@
 """benchmarks.prefill: its FLOP count, the smoke run's rows (the numbers of a CPU run mean
-nothing), and its one-line errors."""
+nothing), and its one-line errors; benchmarks.throughput's --prompt_buckets checked alike."""
 import json
 import subprocess
 import sys
@@ -45,4 +45,16 @@ def test_bad_flags_are_a_one_line_error(tmp_path):
     res = _run("--model=random:qwen2.5-coder-0.5b", *args, f"--out={out}", timeout=300)
     assert res.returncode != 0 and message in res.stderr, res.stderr[-1000:]
     assert len(res.stderr.strip().splitlines()) == 1
+  assert not out.exists()
+
+
+def test_throughput_refuses_a_prompt_bucket_count_that_is_not_a_power_of_two(tmp_path):
+  out = tmp_path / "x.json"
+  res = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--prompt_buckets=6",
+                        "--workload=short", f"--out={out}"], capture_output=True, text=True,
+                       timeout=300)
+  assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-1000:]
+  assert res.stderr.strip().splitlines()[-1] == (
+      "benchmarks.throughput: error: prompt_buckets must be a power of two >= 1 (lengths per "
+      "octave), got 6")
   assert not out.exists()
