@@ -39,7 +39,8 @@ prompt, padded to one of --prompt_buckets lengths per power of two, +
 `jaxspec.engine.batching.insert_slot`); with --stagger (default) the first B requests have
 staggered lengths, so finishes and refills spread evenly from the start. After --warmup_s seconds
 the harness counts, over --measure_s seconds, the tokens produced and the wall time (refill prefills
-included, as a serving engine's throughput counter would; decode-only throughput is reported too),
+included, as a serving engine's throughput counter would; decode-only throughput is reported too,
+and the refills' share of the window and milliseconds each),
 the mean accepted tokens per round, and (--profile) the drafting / verification / selection time
 shares (`Runner.time_phases`) over a few rounds of the serving batch as it stands at the end of
 the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its
@@ -427,7 +428,7 @@ def summary_table(rows: list[dict], ignore_eos: bool) -> str:
   width = max([12] + [len(row_label(r, ignore_eos)) for r in rows])
   lines = [f"{'method':<{width}} {'g':>2} {'tok/s':>8} {'x none':>6} {'decode tok/s':>12} "
            f"{'x none':>6} {'acc/round':>9} {'distinct4':>9} {'matched4':>8} {'eos':>5} "
-           f"{'draft':>5} {'verify':>6} {'select':>6}"]
+           f"{'draft':>5} {'verify':>6} {'select':>6} {'ms/refill':>9}"]
   for r in rows:
     label = row_label(r, ignore_eos)
     if "error" in r or r.get("tokens_per_s") is None:
@@ -439,7 +440,7 @@ def summary_table(rows: list[dict], ignore_eos: bool) -> str:
     xd = (r["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"] if base
           else float("nan"))
     share, stopped = r.get("distinct_4gram_share_mean"), r.get("stopped_share")
-    matched = r.get("distinct_4gram_share_matched")
+    matched, refill = r.get("distinct_4gram_share_matched"), r.get("ms_per_refill")
     g = "-" if r.get("gamma") is None or r["method"] == "none" else r["gamma"]   # plan: switches
     lines.append(
         f"{label:<{width}} {g:>2} "
@@ -448,7 +449,8 @@ def summary_table(rows: list[dict], ignore_eos: bool) -> str:
         f"{'-' if share is None else f'{share:.3f}':>9} "
         f"{'-' if matched is None else f'{matched:.3f}':>8} "
         f"{'-' if stopped is None else f'{stopped:.2f}':>5} {ph.get('draft_share', 0):>5.2f} "
-        f"{ph.get('verify_share', 0):>6.2f} {ph.get('select_share', 0):>6.2f}")
+        f"{ph.get('verify_share', 0):>6.2f} {ph.get('select_share', 0):>6.2f} "
+        f"{'-' if refill is None else f'{refill:.0f}':>9}")
   return "\n".join(lines)
 
 

@@ -66,6 +66,8 @@ def test_every_request_gets_its_own_tokens(model, draft_model, prompts, alone, m
   for i, p in enumerate(prompts):
     assert got[i] == alone[i], f"request {i} (prompt of {len(p)} tokens)"
   assert row["tokens"] > 0 and row["tokens_per_s"] > 0
+  # Refills counted in the window (the first chunk is not): at most one a request past the batch.
+  assert 0 < row["refills"] <= len(prompts) - batch and row["ms_per_refill"] > 0
 
 
 def _falling_planner():

@@ -265,7 +265,10 @@ def test_throughput_honours_eos_by_default_and_reports_repetition(tmp_path, monk
   assert row["distinct_4gram_share_matched"] == pytest.approx(row["distinct_4gram_share_mean"])
   header = next(line for line in stdout.splitlines() if line.startswith("method"))
   assert "acc/round" in header and "distinct4" in header and "matched4" in header
-  assert "eos" in header
+  assert "eos" in header and "ms/refill" in header
+  # Two slots, three requests: at most one refill in the window; the run's padding recorded.
+  assert payload["prompt_buckets"] == 8 and row["refills"] <= 1
+  assert (row["ms_per_refill"] > 0) if row["refills"] else row["ms_per_refill"] is None
 
 
 def test_throughput_ignore_eos_is_marked(tmp_path, monkeypatch, capsys, tiny_loaded):

@@ -641,6 +641,8 @@ class Runner:
     counted. The result adds `plan_switches` and `plan_strategies`, and the acceptance figures
     are over all strategies.
     Returns (the measured window's numbers, the final state: a steady-state batch to profile).
+    The numbers include tokens/s with refills and decoding only, `refill_share` (the window's
+    time spent refilling), `refills` (slots refilled in the window) and `ms_per_refill`.
     `on_finish(request index, its new tokens)` runs for every request that finishes, warm-up
     included (not for those still running when the window closes). The chunks where some finish
     fetch the token buffer once for all of them (lengths are on the host already), before the
@@ -735,7 +737,7 @@ class Runner:
     compiling[0] = 0.0
     t_setup = time.perf_counter() - t_setup
     counted = dict(tokens=0, seconds=0.0, refill_s=0.0, rounds=0, finished=0, idle_slots=0,
-                   compile_s=0.0)
+                   compile_s=0.0, refills=0)
     hist_window = None
     t_start = time.perf_counter()
     measuring = False
@@ -764,6 +766,7 @@ class Runner:
         reported[slot] = False
         state = put(state, fresh, slot)
         refilled = True
+        counted["refills"] += measuring
       idle = int(sum(reported[slot] for slot in free))   # free slots left waiting
       launch_ahead(idle)
       if control is not None and not done.all():
@@ -814,6 +817,9 @@ class Runner:
                decode_only_tokens_per_s=(counted["tokens"] / (seconds - refill_s)
                                          if seconds > refill_s else None),
                refill_share=refill_s / seconds if seconds else None,
+               refills=counted["refills"],
+               ms_per_refill=(refill_s / counted["refills"] * 1e3 if counted["refills"]
+                              else None),
                requests_finished=counted["finished"], disaggregate=disaggregate,
                idle_slot_share=counted["idle_slots"] / (chunks * batch) if chunks else None)
     if control is not None:
