@@ -32,7 +32,7 @@ from benchmarks.common import (device_name, error_text, git_commit, kernel_table
                                matmul_ceiling, time_fn, write_json)
 from jaxspec import cli
 from jaxspec.engine.runner import Runner
-from jaxspec.engine.state import PROMPT_BUCKETS, prompt_bucket
+from jaxspec.engine.state import PROMPT_BUCKETS, check_prompt_buckets, prompt_bucket
 from jaxspec.model.attention import default_backend
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import fuse_projections
@@ -75,11 +75,9 @@ def main(argv):
   prog = "benchmarks.prefill"
   try:
     lens = [int(x) for x in fv.prompt_lens]
-    settings = [int(x) for x in fv.prompt_buckets]
+    settings = [check_prompt_buckets(int(x)) for x in fv.prompt_buckets]
     if not lens or min(lens) < 1:
       raise ValueError(f"--prompt_lens must be positive token counts, got {fv.prompt_lens}")
-    for per_octave in settings:
-      prompt_bucket(1, per_octave)
   except ValueError as e:
     cli.fail(prog, str(e))
   max_len = fv.max_len or max(lens) + 1024

@@ -87,7 +87,7 @@ from jaxspec.drafting.specattn import DEFAULT_TOP_P, SpecAttnState
 from jaxspec.engine.runner import DRAFT_MODEL_METHODS
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams
-from jaxspec.engine.state import PROMPT_BUCKETS, SpecState, capacity_for, prompt_bucket
+from jaxspec.engine.state import PROMPT_BUCKETS, SpecState, capacity_for, check_prompt_buckets
 from jaxspec.io.loading import check_draft_pair
 from jaxspec.model.attention import default_backend
 from jaxspec.model.sharding import make_mesh
@@ -474,7 +474,7 @@ def main(argv):
       cli.fail(prog, str(e))
   try:
     make_mesh(_TP.value)   # too few devices: one line before anything loads
-    prompt_bucket(1, _PROMPT_BUCKETS.value)
+    check_prompt_buckets(_PROMPT_BUCKETS.value)
   except ValueError as e:
     cli.fail(prog, str(e))
   planner = None

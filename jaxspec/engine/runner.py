@@ -76,8 +76,8 @@ from jaxspec.engine.planner import Planner, Strategy, Tally, accepted_per_round,
 from jaxspec.engine.prefill import prefill
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.engine.speculative import acceptance_summary, speculative_chunk, verify
-from jaxspec.engine.state import (PROMPT_BUCKETS, SpecState, bucket, capacity_for, decode_state,
-                                  make_batch, prompt_bucket)
+from jaxspec.engine.state import (PROMPT_BUCKETS, SpecState, bucket, capacity_for,
+                                  check_prompt_buckets, decode_state, make_batch)
 from jaxspec.engine.vanilla import decode_chunk
 from jaxspec.model import sharding
 from jaxspec.model.attention import check_backend, default_backend
@@ -218,8 +218,7 @@ class Runner:
                planner: Planner | None = None, ssv_class: str | None = None,
                ssv_group: int | None = None, refresh: Sequence[bool] | None = None,
                prompt_buckets: int = PROMPT_BUCKETS):
-    prompt_bucket(1, prompt_buckets)   # refuses a bad count now, not at the first prefill
-    self.prompt_buckets = prompt_buckets
+    self.prompt_buckets = check_prompt_buckets(prompt_buckets)
     self.planner = planner
     if planner is not None:
       if (method != "none" or gamma is not None or tree is not None or sparsity != 0.07

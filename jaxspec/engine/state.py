@@ -57,13 +57,20 @@ PROMPT_BUCKETS = 8
 _MIN_PROMPT_STEP = 128   # below 1K tokens the waste is cheap and compiles are not
 
 
+def check_prompt_buckets(per_octave: int) -> int:
+  """per_octave, if it is a power of two >= 1 (padded prompt lengths per power of two); else a
+  one-line ValueError."""
+  if per_octave < 1 or per_octave & (per_octave - 1):
+    raise ValueError(f"prompt_buckets must be a power of two >= 1 (lengths per octave), got "
+                     f"{per_octave}")
+  return per_octave
+
+
 def prompt_bucket(n: int, per_octave: int = PROMPT_BUCKETS) -> int:
   """The padded length of an n-token prompt: the smallest multiple of max(128, 2^(k-1) /
   per_octave) that holds it, where 2^k is the next power of two >= n (so per_octave lengths from
   2^(k-1) to 2^k), and never more than 2^k (per_octave 1: 2^k itself). At least 16."""
-  if per_octave < 1 or per_octave & (per_octave - 1):
-    raise ValueError(f"prompt_buckets must be a power of two >= 1 (lengths per octave), got "
-                     f"{per_octave}")
+  check_prompt_buckets(per_octave)
   top = bucket(n)
   step = max(top // (2 * per_octave), _MIN_PROMPT_STEP)
   return min(top, -(-n // step) * step)
