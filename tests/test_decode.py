@@ -10,7 +10,8 @@ from jaxspec.engine.runner import Runner
 from jaxspec.engine.state import bucket, make_batch, prompt_bucket
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import init_random
-from jaxspec.engine.sampling import SamplingParams, filter_logits, top_k_entries, top_k_values
+from jaxspec.engine.sampling import (SamplingParams, filter_logits, sample_draft, top_k_entries,
+                                     top_k_values)
 
 CFG = ModelConfig(arch="qwen3", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, rope_theta=1000.0)
@@ -142,6 +143,21 @@ def test_top_p_after_top_k_matches_full_sort(top_k, top_p):
   reference = filter_logits(after_k, SamplingParams(1.0, top_p=top_p))
   np.testing.assert_array_equal(np.isfinite(both), np.isfinite(reference))
   assert np.isfinite(np.asarray(both)).sum(-1).min() >= 1
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(0.6, top_k=20, top_p=0.95), SamplingParams(0.8)],
+                         ids=["top-k pairs", "whole rows"])
+def test_drafts_sample_the_heads_bf16_rows_as_their_float32_values(sp):
+  # The draft chain samples from the LM head's own bf16 rows, not a float32 copy of them: every
+  # bf16 value is a float32 one, so the tokens and the distributions must be the same.
+  model = init_random(CFG, dtype=jnp.bfloat16, seed=4)
+  hidden = jax.random.normal(jax.random.PRNGKey(1), (5, CFG.hidden_size), jnp.bfloat16)
+  rows = model.logits(hidden, dtype=None)
+  assert rows.dtype == jnp.bfloat16 and model.logits(hidden).dtype == jnp.float32
+  key = jax.random.PRNGKey(2)
+  got, want = sample_draft(key, rows, sp), sample_draft(key, rows.astype(jnp.float32), sp)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("kwargs, match", [

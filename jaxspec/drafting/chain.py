@@ -31,7 +31,9 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
     positions = start[:, None] + offset + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     hidden, cache, scores = model(tokens, positions, cache.replace(lengths=start + offset), plan,
                                   backend)
-    logits = model.logits(hidden[:, -1])
+    # In the model's dtype: the sampler converts the values it reads, where a float32 copy of
+    # the rows was a pass of its own (28 us a draft step at B = 128 and a 152K vocabulary, H200).
+    logits = model.logits(hidden[:, -1], dtype=None)
     if sampling.greedy:
       return cache, sample(step_key, logits, sampling), None, scores
     # The logits are written once: where XLA picks a fusible GEMM for the LM head it otherwise

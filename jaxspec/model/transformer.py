@@ -239,13 +239,14 @@ class Transformer(nnx.Module):
                    for i in range(self.cfg.num_layers)))
     return cache.replace(ck=tuple(ck), cv=tuple(cv))
 
-  def logits(self, hidden: jax.Array) -> jax.Array:
-    """LM head in float32: [..., H] -> [..., vocab]."""
+  def logits(self, hidden: jax.Array, dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
+    """LM head: [..., H] -> [..., vocab] in `dtype` (None: the head's own, the model's dtype, the
+    values float32 would hold, with no pass over the rows to convert them)."""
     if self.cfg.tie_word_embeddings:
       out = self.embed_tokens.attend(hidden)
     else:
       out = self.lm_head(hidden)
-    return out.astype(jnp.float32)
+    return out if dtype is None else out.astype(dtype)
 
 
 def init_random(cfg: ModelConfig, *, dtype=jnp.float32, seed: int = 0,
