@@ -22,6 +22,9 @@
 #               BATCH the decode slots, default 128: the throughput goals' batch cap;
 #               REQUESTS the stream's length, default 512: short answers at B = 128 need more;
 #               PROMPT_BUCKETS the padded prompt lengths per power of two, default 8;
+#               SEED the prompts' and the sampling's seed, default 0: runs with one seed share
+#               their prompts, draws and mostly their tokens, so their paired differences are
+#               not independent;
 #               SUFFIX is appended to the output file's name)
 #   prefill     one-prompt prefills (a serving refill) of 16K-32K tokens against the bf16 matmul
 #               rate, random weights, the 1.5B then the 0.5B, prompts padded to powers of two and
@@ -149,7 +152,7 @@ for step in "$@"; do
       python3 -m benchmarks.throughput --model=$CKPT --workload=$workload --batch=${BATCH:-128} $extra \
         --methods=${METHODS:-none,streaming,quest,specextend,vegas-all,vegas,vegas@${RATIO:-0.07}} \
         --gammas=default=${GAMMA:-6} $EOS_FLAG --num_requests=${REQUESTS:-512} --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
-        --prompt_buckets=${PROMPT_BUCKETS:-8} --out=$OUT/throughput_$step$TAG$EOS_TAG${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
+        --prompt_buckets=${PROMPT_BUCKETS:-8} --seed=${SEED:-0} --out=$OUT/throughput_$step$TAG$EOS_TAG${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     prefill)
       for shape in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do
         python3 -m benchmarks.prefill --model=random:$shape --trace \

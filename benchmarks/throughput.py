@@ -148,7 +148,8 @@ _CHUNK = flags.DEFINE_integer("chunk_rounds", 8, "rounds (or steps) per compiled
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling (the paper's Qwen3 settings)")
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "")
 _TOP_K = flags.DEFINE_integer("top_k", 20, "")
-_SEED = flags.DEFINE_integer("seed", 0, "")
+_SEED = flags.DEFINE_integer("seed", 0, "seed of the workload's prompts and of decoding's random "
+                               "draws (the same seed and code give the same outputs)")
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "stress mode: generate max_new_tokens for "
                                 "every request (steady long contexts when the model would stop "
                                 "early); labels, JSON and plot title say so")
