@@ -240,8 +240,8 @@ class Transformer(nnx.Module):
     return cache.replace(ck=tuple(ck), cv=tuple(cv))
 
   def logits(self, hidden: jax.Array, dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
-    """LM head: [..., H] -> [..., vocab] in `dtype` (None: the head's own, the model's dtype, the
-    values float32 would hold, with no pass over the rows to convert them)."""
+    """LM head: [..., H] -> [..., vocab] in `dtype`; None keeps the head's own (the model's
+    dtype) and saves the pass that would convert every row."""
     if self.cfg.tie_word_embeddings:
       out = self.embed_tokens.attend(hidden)
     else:
