@@ -89,7 +89,17 @@
 # "(ignore_eos)" in their labels, JSON and plot titles, and their file names carry _ignore_eos.
 # The fifth session's sweep and throughput runs (RESULTS.md) ignored EOS: IGNORE_EOS=1 repeats
 # them.
+# AUTOTUNE_CACHE=DIR: every process reads and writes XLA's per-fusion autotuning results in DIR
+# (made if missing), so processes that compile the same fusion run the same GEMM configuration.
+# XLA otherwise autotunes anew in each process, and its picks differ from one process to the
+# next by 0.1-0.3 ms a vegas round: an A/B whose processes share a cache measures its change, not
+# the autotuner. A cache holds one XLA version's results; start a new DIR for another.
 set -uo pipefail
+if [ -n "${AUTOTUNE_CACHE:-}" ]; then
+  mkdir -p "$AUTOTUNE_CACHE" || exit 1
+  # No stray blank: XLA reads an XLA_FLAGS that does not start with "--" as a file name.
+  export XLA_FLAGS=$(echo ${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=$AUTOTUNE_CACHE)
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:. XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 JAXSPEC_DATA=.data
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # MODEL=0.5b (default) or 1.5b: which shipped GGUF (/tmp/shipped/qwen05.gguf or qwen15.gguf).

@@ -161,6 +161,8 @@ SMALL = ModelConfig(arch="llama", vocab_size=V, hidden_size=32, intermediate_siz
                     num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1000.0)
 N_SEQ, N_NEW = 2000, 4
 SAMPLING = SamplingParams(temperature=0.9, top_k=6)
+# The benchmarks' default, the paper's; with V = 8 its top-k keeps every token and top-p truncates.
+PAPER_SAMPLING = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +172,7 @@ def small():
   return model, prompt, exact_distribution(model, prompt)
 
 
-def exact_distribution(model, prompt):
+def exact_distribution(model, prompt, sampling=SAMPLING):
   """P(t_1..t_4 | prompt) under plain sampling, for all V**4 continuations, by the chain rule on
   one teacher-forced forward pass of every V**3 prefix."""
   prefixes = np.array(list(itertools.product(range(V), repeat=N_NEW - 1)), np.int32)
@@ -182,7 +184,7 @@ def exact_distribution(model, prompt):
     m = nnx.merge(graphdef, params)
     cache = KVCache.create(SMALL, tokens.shape[0], tokens.shape[1], jnp.float32)
     hidden, _, _ = m(tokens, cache.chain_positions(tokens.shape[1]), cache, Prefill())
-    return probabilities(m.logits(hidden[:, len(prompt) - 1:]), SAMPLING)   # [M, N_NEW, V]
+    return probabilities(m.logits(hidden[:, len(prompt) - 1:]), sampling)   # [M, N_NEW, V]
 
   p = np.asarray(probs(params, jnp.asarray(tokens)), np.float64)
   rows = np.arange(len(prefixes))
@@ -196,8 +198,8 @@ def sequence_counts(samples: np.ndarray, n_cells: int) -> np.ndarray:
   return np.bincount(cell, minlength=n_cells)
 
 
-def sample_sequences(model, prompt, method, **kw):
-  common = dict(max_new_tokens=N_NEW, sampling=SAMPLING, seed=1, cache_dtype=jnp.float32)
+def sample_sequences(model, prompt, method, sampling=SAMPLING, **kw):
+  common = dict(max_new_tokens=N_NEW, sampling=sampling, seed=1, cache_dtype=jnp.float32)
   if method == "none":
     out, _ = generate(model, [prompt] * N_SEQ, **common)
     return np.array(out), None
@@ -224,6 +226,18 @@ def test_speculative_sampling_is_plain_sampling(small, method):
   model, prompt, probs = small
   kw = dict(draft_model=small_draft_model()) if method == "draft" else {}
   samples, stats = sample_sequences(model, prompt, method, **kw)
+  assert stats.extra["acceptance_by_position"][0] < 0.97    # drafts differ from the target
+  assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["vegas", "draft"])
+def test_speculative_sampling_at_the_papers_settings_is_plain_sampling(small, method):
+  model, prompt, _ = small
+  probs = exact_distribution(model, prompt, PAPER_SAMPLING)
+  # Top-p leaves some continuations no mass: the test must see a truncated distribution.
+  assert (probs == 0).mean() > 0.5
+  kw = dict(draft_model=small_draft_model()) if method == "draft" else {}
+  samples, stats = sample_sequences(model, prompt, method, PAPER_SAMPLING, **kw)
   assert stats.extra["acceptance_by_position"][0] < 0.97    # drafts differ from the target
   assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) > 1e-3
 
