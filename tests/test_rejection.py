@@ -147,6 +147,33 @@ def test_verification_from_logits_is_the_dense_rule(sp):
   assert 0 < int(fast.accepted.sum()) < b * GAMMA           # accepts and rejections both occur
 
 
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+                                SamplingParams(temperature=1.0, top_k=40, top_p=0.999),
+                                SamplingParams(temperature=1.0, top_p=0.9),
+                                SamplingParams(temperature=0.7, top_k=5),
+                                SamplingParams(temperature=1.3)])
+def test_kept_mass_is_the_mass_of_the_entries_at_or_above_the_threshold(sp):
+  """`kept_mass` sums a top-p cut above the k-th value over the k largest values only; rows of
+  both kinds (a cut above the k-th value and none), ties at the k-th value included, against the
+  whole row summed in float64."""
+  rng = np.random.default_rng(17)
+  # Quarter steps tie as bf16 logits do; the scale spread gives sharp rows (top-p cuts inside the
+  # top-k) and flat ones (it keeps all k and their ties).
+  logits = np.round(rng.normal(size=(256, 500)) * rng.choice([1.0, 16.0], (256, 1)) * 4) / 4
+  x = sampling.scaled(jnp.asarray(logits, jnp.float32), sp)
+  thr, m, mass = jax.jit(sampling.kept_mass, static_argnums=1)(x, sp)
+  xs = np.asarray(x, np.float64)
+  np.testing.assert_array_equal(thr, sampling.keep_threshold(x, sp))
+  np.testing.assert_array_equal(m[:, 0], xs.max(-1))
+  want = np.where(xs < np.asarray(thr), 0.0, np.exp(xs - xs.max(-1, keepdims=True))).sum(-1)
+  np.testing.assert_allclose(mass[:, 0], want, rtol=1e-5)
+  if sp.top_k and sp.top_p < 1:
+    kth = -np.sort(-xs, axis=-1)[:, sp.top_k - 1]
+    cut_inside = np.asarray(thr)[:, 0] > kth
+    assert 0 < cut_inside.sum() < len(xs)       # both branches ran
+    assert ((xs == kth[:, None]).sum(-1) > 1).any()   # and ties at the k-th value
+
+
 def test_min_p_verification_takes_the_dense_rule():
   sp = SamplingParams(temperature=0.8, top_k=30, min_p=0.05)
   rng = np.random.default_rng(13)

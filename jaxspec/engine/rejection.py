@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.engine.sampling import (SamplingParams, TopK, draw, keep_threshold, probabilities,
+from jaxspec.engine.sampling import (SamplingParams, TopK, draw, kept_mass, probabilities,
                                      scaled)
 
 
@@ -110,9 +110,7 @@ def verify_sampled_logits(key: jax.Array, draft_tokens: jax.Array, draft_probs: 
   Not for min-p (a cut on probabilities; `verify_drafts` sends it to the dense path)."""
   gamma = draft_tokens.shape[1]
   x = scaled(target_logits, sampling)                                     # [B, gamma + 1, V]
-  thr = keep_threshold(x, sampling)                                       # [B, gamma + 1, 1]
-  m = jnp.max(x, axis=-1, keepdims=True)                                  # always kept
-  total = jnp.sum(jnp.where(x < thr, 0.0, jnp.exp(x - m)), axis=-1, keepdims=True)
+  thr, m, total = kept_mass(x, sampling)                                  # [B, gamma + 1, 1] each
 
   def prob(xv, thr, m, total):
     return jnp.where(xv < thr, 0.0, jnp.exp(xv - m)) / total

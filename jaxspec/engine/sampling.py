@@ -73,26 +73,38 @@ def keep_threshold(x: jax.Array, sp: SamplingParams) -> jax.Array:
   """The smallest value top-k and top-p keep in each row of temperature-scaled logits x [..., V]
   (HF's order: top-k, then top-p over what it kept): [..., 1] f32, -inf where both are off. Both
   filters keep exactly the entries at or above it."""
-  thr = jnp.full(x.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+  return kept_mass(x, sp)[0]
+
+
+def kept_mass(x: jax.Array, sp: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`keep_threshold`'s threshold of each row of temperature-scaled logits x [..., V], the row's
+  max m and the mass it keeps, sum(exp(x - m)) over the entries at or above the threshold:
+  [..., 1] f32 each, so p = exp(x - m) / mass at or above the threshold and 0 below it.
+
+  With top-k on, x is read twice: for its block maxima (the k largest values, the first of them
+  m) and for the mass top-k keeps, ties with the k-th value included. A top-p cut above the k-th
+  value keeps only entries among those k, so the mass after it is summed over the k values."""
   top = None
+  thr = jnp.full(x.shape[:-1] + (1,), -jnp.inf, jnp.float32)
   if sp.top_k > 0 and sp.top_k < x.shape[-1]:
     top = top_k_values(x, sp.top_k)                           # [..., k], descending
-    thr = top[..., -1:]
+    thr, m = top[..., -1:], top[..., :1]
+  else:
+    m = jnp.max(x, axis=-1, keepdims=True)
+  mass = jnp.sum(jnp.where(x < thr, 0.0, jnp.exp(x - m)), axis=-1, keepdims=True)
   if sp.top_p < 1.0:
-    # Keep the smallest set of top tokens whose mass reaches top_p (at least one token).
-    if top is None:
-      srt = jnp.sort(x, axis=-1)[..., ::-1]
-      log_z = jax.nn.logsumexp(srt, axis=-1, keepdims=True)
-    else:
-      # After top-k only the k values (plus ties with the k-th) survive: find the cut among them
-      # instead of sorting the whole vocabulary, which dominated sampled draft steps.
-      srt = top
-      log_z = jax.nn.logsumexp(jnp.where(x < thr, -jnp.inf, x), axis=-1, keepdims=True)
-    probs = jnp.exp(srt - log_z)
+    # Keep the smallest set of top tokens whose mass reaches top_p (at least one token). After
+    # top-k only the k values (plus ties with the k-th) survive: the cut is found among them
+    # instead of sorting the whole vocabulary, which dominated sampled draft steps.
+    srt = jnp.sort(x, axis=-1)[..., ::-1] if top is None else top
+    probs = jnp.exp(srt - (m + jnp.log(mass)))
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < sp.top_p
-    thr = jnp.maximum(thr, jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True))
-  return thr
+    cut = jnp.maximum(thr, jnp.min(jnp.where(mass_before < sp.top_p, srt, jnp.inf), axis=-1,
+                                   keepdims=True))
+    mass = jnp.where(cut > thr, jnp.sum(jnp.where(srt < cut, 0.0, jnp.exp(srt - m)), axis=-1,
+                                        keepdims=True), mass)
+    thr = cut
+  return thr, m, mass
 
 
 def scaled(logits: jax.Array, sp: SamplingParams) -> jax.Array:
