@@ -97,11 +97,12 @@ def kept_mass(x: jax.Array, sp: SamplingParams) -> tuple[jax.Array, jax.Array, j
     # top-k only the k values (plus ties with the k-th) survive: the cut is found among them
     # instead of sorting the whole vocabulary, which dominated sampled draft steps.
     srt = jnp.sort(x, axis=-1)[..., ::-1] if top is None else top
-    probs = jnp.exp(srt - (m + jnp.log(mass)))
+    weights = jnp.exp(srt - m)
+    probs = weights / mass
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     cut = jnp.maximum(thr, jnp.min(jnp.where(mass_before < sp.top_p, srt, jnp.inf), axis=-1,
                                    keepdims=True))
-    mass = jnp.where(cut > thr, jnp.sum(jnp.where(srt < cut, 0.0, jnp.exp(srt - m)), axis=-1,
+    mass = jnp.where(cut > thr, jnp.sum(jnp.where(srt < cut, 0.0, weights), axis=-1,
                                         keepdims=True), mass)
     thr = cut
   return thr, m, mass
