@@ -135,7 +135,12 @@ def _prefill(graphdefs, params, prompts, prompt_lens, max_new, key, *, config, m
 # against 59.6 at the 1.5B's B = 64 x 24K on an H100, a program that runs without it), and its
 # rematerialization then recomputes GEMMs and moves loop-invariant slices of the selection back
 # into the draft loop: 3% of a vegas round (benchmarks/RESULTS.md, twenty-eighth session).
-_LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+# The loop's GEMMs go to cuBLAS, not XLA's Triton GEMMs: the autotuner times each GEMM alone and
+# picks split-K Triton GEMMs for the small projections, whose f32 partials the next fusions then
+# reduce; cuBLAS fuses the bias and the residual add instead. 2% off a vegas round at the 1.5B's
+# B = 128 on an H200 (benchmarks/RESULTS.md, thirty-sixth session). Ignored off the GPU.
+_LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization",
+                          "xla_gpu_enable_triton_gemm": False}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdefs", "config", "steps"),
