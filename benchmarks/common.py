@@ -234,7 +234,8 @@ KERNEL_FAMILIES = (
     ("dense attention", ("verify_attention",)),
     ("sparse attention", ("sparse_attention",)),
     ("top-k selection", ("topk_select",)),
-    ("GEMMs", ("gemm_fusion", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    # cuBLAS's own split-K reduction ("void cublasLt::splitKreduce_kernel<...>") is its GEMM's.
+    ("GEMMs", ("gemm_fusion", "nvjet", "cutlass", "sm90_xmma", "cublas", "void cublasLt::")),
     ("sorts", ("sort",)),
 )
 

@@ -855,8 +855,10 @@ class Runner:
       def check(params, state, drafts, probs):
         return verify(_merge(graphdefs, params)[0], state, drafts, probs, config)
 
-      return (jax.jit(draft, donate_argnums=1), jax.jit(check, donate_argnums=1),
-              jax.jit(functools.partial(config.drafter.update, config=config), donate_argnums=0))
+      # Compiled as the loop is, so each phase runs the loop's GEMMs.
+      jit = functools.partial(jax.jit, compiler_options=_LOOP_COMPILER_OPTIONS)
+      return (jit(draft, donate_argnums=1), jit(check, donate_argnums=1),
+              jit(functools.partial(config.drafter.update, config=config), donate_argnums=0))
     return functools.lru_cache(maxsize=4)(fns)
 
   def time_phases(self, state: SpecState, *, rounds: int = 8, warmup: int = 2
