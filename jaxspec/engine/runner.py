@@ -131,20 +131,22 @@ def _prefill(graphdefs, params, prompts, prompt_lens, max_new, key, *, config, m
   return prefill(target, draft, prompts, prompt_lens, max_new, key, config, max_new_buffer)
 
 
-# XLA's memory estimate for a decode loop over a large cache exceeds the device's limit (85.8 GB
-# against 59.6 at the 1.5B's B = 64 x 24K on an H100, a program that runs without it), and its
-# rematerialization then recomputes GEMMs and moves loop-invariant slices of the selection back
-# into the draft loop: 3% of a vegas round (benchmarks/RESULTS.md, twenty-eighth session).
-# The loop's GEMMs go to cuBLAS, not XLA's Triton GEMMs: the autotuner times each GEMM alone and
-# picks split-K Triton GEMMs for the small projections, whose f32 partials the next fusions then
-# reduce; cuBLAS fuses the bias and the residual add instead. 2% off a vegas round at the 1.5B's
-# B = 128 on an H200 (benchmarks/RESULTS.md, thirty-sixth session). Ignored off the GPU.
-_LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization",
-                          "xla_gpu_enable_triton_gemm": False}
+# The XLA options the decode loop and the phase timers compile with (pass them to a loop jitted
+# by hand as well).
+# - No rematerialization: XLA's memory estimate for a decode loop over a large cache exceeds the
+#   device's limit (85.8 GB against 59.6 at the 1.5B's B = 64 x 24K on an H100, a program that runs
+#   without it), and rematerialization then recomputes GEMMs and moves loop-invariant slices of the
+#   selection back into the draft loop: 3% of a vegas round (RESULTS.md, twenty-eighth session).
+# - cuBLAS GEMMs, not XLA's Triton GEMMs: the autotuner times each GEMM alone and picks split-K
+#   Triton GEMMs for a draft step's small projections, whose f32 partials the next fusions then
+#   reduce; cuBLAS adds the bias and the residual itself. 2% off a vegas round at the 1.5B's
+#   B = 128 on an H200 (RESULTS.md, thirty-sixth session). Ignored off the GPU.
+LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization",
+                         "xla_gpu_enable_triton_gemm": False}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdefs", "config", "steps"),
-                   donate_argnames=("state",), compiler_options=_LOOP_COMPILER_OPTIONS)
+                   donate_argnames=("state",), compiler_options=LOOP_COMPILER_OPTIONS)
 def _chunk(graphdefs, params, state, *, steps, config):
   target, draft = _merge(graphdefs, params)
   if config.speculative:
@@ -856,7 +858,7 @@ class Runner:
         return verify(_merge(graphdefs, params)[0], state, drafts, probs, config)
 
       # Compiled as the loop is, so each phase runs the loop's GEMMs.
-      jit = functools.partial(jax.jit, compiler_options=_LOOP_COMPILER_OPTIONS)
+      jit = functools.partial(jax.jit, compiler_options=LOOP_COMPILER_OPTIONS)
       return (jit(draft, donate_argnums=1), jit(check, donate_argnums=1),
               jit(functools.partial(config.drafter.update, config=config), donate_argnums=0))
     return functools.lru_cache(maxsize=4)(fns)
