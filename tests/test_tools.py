@@ -14,7 +14,7 @@ from subproc import run_module
 
 BENCHMARKS = ["benchmarks.acceptance", "benchmarks.decode", "benchmarks.kernels",
               "benchmarks.plan_profile", "benchmarks.sweep", "benchmarks.throughput",
-              "benchmarks.ssv", "benchmarks.prefill"]
+              "benchmarks.ssv", "benchmarks.prefill", "benchmarks.draft_quality"]
 INFO_LINE = re.compile(r"^I\d{4} ", re.M)   # absl's INFO prefix, e.g. 'I1123 14:02:11.5 ...'
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -40,7 +40,8 @@ def test_benchmarks_the_tests_import_share_one_process():
   benchmark whose flags share names with another's defines them only when run as a program)."""
   res = subprocess.run([sys.executable, "-c", "import benchmarks.sts, benchmarks.ssv, "
                         "benchmarks.plan_profile, benchmarks.peer_hf, benchmarks.throughput, "
-                        "benchmarks.sparse_eval, benchmarks.workloads, benchmarks.prefill"],
+                        "benchmarks.sparse_eval, benchmarks.workloads, benchmarks.prefill, "
+                        "benchmarks.draft_quality"],
                        capture_output=True, text=True, timeout=300)
   assert res.returncode == 0, res.stderr[-2000:]
 

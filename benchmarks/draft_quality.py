@@ -1,0 +1,228 @@
+"""Expected draft acceptance of the self-drafting policies, without sampling noise (runs on a CPU).
+
+  python -m benchmarks.draft_quality                  # the 0.5B, 2 passages of 4096 tokens
+  python -m benchmarks.draft_quality --methods=vegas,streaming --context=8192 --passages=4
+
+Each passage (workload (c)'s: a book passage as plain text, `workloads.continuation_prompts`) is
+continued by the model's own samples (vanilla decoding at the sampling flags), and rounds are then
+teacher-forced on that text, the same rounds for every method:
+  1. verification: a dense pass over the gamma + 1 tokens from the prefix length P, which gives
+     the target's distributions p and the scores the policy collects (`verify_scores`);
+  2. the prefix moves `--stride` tokens on: the tokens a round commits, the accepted drafts plus
+     the corrected or bonus token (about 7 in the engine's (c) runs at gamma 8);
+  3. the policy selects (`select_kv`, with `stride - 1` drafts accepted), and one sparse pass over
+     the next gamma tokens drafts them as a chain would (q);
+  4. draft i is accepted with probability alpha_i = sum_v min(p_i(v), q_i(v)), p and q under the
+     sampling filters: speculative sampling's exact acceptance, given drafts 1..i-1 accepted. A
+     round's expected tokens are 1 + sum_i prod_{j <= i} alpha_j.
+The next round verifies from P + stride. Teacher forcing feeds the text's tokens where the engine
+feeds the drafts' own samples, and the prefix moves by a fixed stride where the engine's moves by
+what was accepted; what it gives in exchange is a figure free of sampling noise whose differences
+between methods are paired. The drafts' attention is the pure-JAX reference's, so any backend
+and device give the same figures.
+
+Output: a markdown table on stdout (alpha by position, expected tokens a round with its standard
+error, and the paired difference from the first method), the settings and per-round alphas as
+JSON in --out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from tqdm import tqdm
+
+from benchmarks import workloads
+from benchmarks.common import device_name, git_commit, write_json
+from jaxspec import cli
+from jaxspec.drafting.policies import SELF_DRAFTING, SelectionPolicy, make_policy, static_k_max
+from jaxspec.engine.runner import Runner
+from jaxspec.engine.sampling import SamplingParams, probabilities
+from jaxspec.model.attention import Dense
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.transformer import Transformer
+
+def define_flags() -> None:
+  """The flags, defined only when run as a program: the tests import this module beside other
+  benchmarks whose flags share these names."""
+  flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec (demo name, checkpoint "
+                      "dir)")
+  flags.DEFINE_list("methods", ["vegas", "vegas-all", "streaming"],
+                    f"self-drafting policies ({', '.join(SELF_DRAFTING)})")
+  flags.DEFINE_integer("context", 4096, "passage tokens before the first round")
+  flags.DEFINE_integer("passages", 2, "passages (one batch)")
+  flags.DEFINE_integer("rounds", 24, "teacher-forced rounds per passage")
+  flags.DEFINE_integer("gamma", 8, "draft tokens per round")
+  flags.DEFINE_integer("stride", 7, "tokens the prefix moves each round (1..gamma + 1)")
+  flags.DEFINE_float("sparsity", 0.07, "sparsity ratio")
+  flags.DEFINE_integer("min_tokens", 16, "KV budget floor")
+  flags.DEFINE_float("temperature", 0.6, "sampling temperature (> 0)")
+  flags.DEFINE_float("top_p", 0.95, "1 = off")
+  flags.DEFINE_integer("top_k", 20, "0 = off")
+  flags.DEFINE_integer("seed", 0, "passages' and continuation's seed")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and cache")
+  flags.DEFINE_string("out", "benchmarks/out/draft_quality.json", "JSON results")
+
+
+_PREFILL_CHUNK = 512   # tokens per prefill pass: the reference attention's [T, S] logits stay small
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _forward(graphdef, state, cache: KVCache, tokens, positions, plan):
+  """(logits [B, T, V] f32, cache with the tokens' K/V written, scores or None)."""
+  model = nnx.merge(graphdef, state)
+  hidden, cache, scores = model(tokens, positions, cache, plan)
+  return model.logits(hidden), cache, scores
+
+
+@functools.partial(jax.jit, static_argnames=("policy",))
+def _select(policy: SelectionPolicy, cache: KVCache, scores, first_row, accepted):
+  return policy.select_kv(cache, scores, first_row, accepted)
+
+
+def cache_capacity(positions: int) -> int:
+  """The cache slots `expected_acceptance` allocates for `positions` tokens: whole 128s (Quest's
+  page summaries need whole pages)."""
+  return -(-positions // 128) * 128
+
+
+def _at(cache: KVCache, length: int) -> KVCache:
+  return cache.replace(lengths=jnp.full_like(cache.lengths, length))
+
+
+def _positions(start: int, b: int, t: int) -> jax.Array:
+  return jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
+                        policy: SelectionPolicy, *, gamma: int, stride: int, rounds: int,
+                        sampling: SamplingParams, cache_dtype=jnp.float32,
+                        progress: bool = False) -> np.ndarray:
+  """alpha [rounds, B, gamma]: each draft's acceptance probability under `policy` (module doc),
+  teacher-forced on tokens [B, >= context + (rounds + 1) * stride + gamma], the first `context`
+  of which are the prompt."""
+  b, n = tokens.shape
+  need = context + rounds * stride + gamma + 1
+  if n < need:
+    raise ValueError(f"tokens hold {n} positions; {rounds} rounds from {context} need {need}")
+  if not 1 <= stride <= gamma + 1:
+    raise ValueError(f"stride must be in 1..gamma + 1 = {gamma + 1}, got {stride}")
+  graphdef, state = nnx.split(model)
+  cache = KVCache.create(model.cfg, b, cache_capacity(need), dtype=cache_dtype)
+  for start in range(0, context, _PREFILL_CHUNK):
+    t = min(_PREFILL_CHUNK, context - start)
+    _, cache, _ = _forward(graphdef, state, _at(cache, start), tokens[:, start:start + t],
+                           _positions(start, b, t), Dense())
+
+  def verify(cache, p):
+    return _forward(graphdef, state, _at(cache, p), tokens[:, p:p + gamma + 1],
+                    _positions(p, b, gamma + 1), Dense(scores=policy.verify_scores))
+
+  alphas = []
+  p = context
+  _, cache, scores = verify(cache, p)
+  for _ in tqdm(range(rounds), desc=policy.name, disable=not progress, file=sys.stderr):
+    nxt = p + stride
+    plan = _select(policy, _at(cache, nxt), scores, jnp.full((b,), p, jnp.int32),
+                   jnp.full((b,), stride - 1, jnp.int32))
+    q, _, _ = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma],
+                       _positions(nxt, b, gamma), plan)
+    # The dense pass overwrites the drafts' K/V, as verification does in the engine.
+    logits, cache, scores = verify(cache, nxt)
+    pd, qd = probabilities(logits[:, :gamma], sampling), probabilities(q, sampling)
+    alphas.append(np.asarray(jnp.minimum(pd, qd).sum(-1)))
+    p = nxt
+  return np.stack(alphas)
+
+
+def expected_tokens(alpha: np.ndarray) -> np.ndarray:
+  """alpha [..., gamma] -> a round's expected tokens [...]: 1 + sum_i prod_{j <= i} alpha_j."""
+  return 1.0 + np.cumprod(alpha, axis=-1).sum(-1)
+
+
+def summary(alpha: np.ndarray, base: np.ndarray | None) -> dict:
+  tokens = expected_tokens(alpha).ravel()
+  row = dict(alpha_by_position=alpha.mean((0, 1)).round(4).tolist(),
+             mean_alpha=round(float(alpha.mean()), 4),
+             expected_tokens=round(float(tokens.mean()), 4),
+             expected_tokens_se=round(float(tokens.std(ddof=1) / np.sqrt(tokens.size)), 4))
+  if base is not None:
+    diff = tokens - expected_tokens(base).ravel()
+    row.update(diff_from_first=round(float(diff.mean()), 4),
+               diff_from_first_se=round(float(diff.std(ddof=1) / np.sqrt(diff.size)), 4))
+  return row
+
+
+def table(rows: list[dict]) -> str:
+  gamma = len(rows[0]["alpha_by_position"])
+  lines = ["| method | expected tokens / round | vs first | "
+           + " | ".join(f"alpha{i}" for i in range(1, gamma + 1)) + " |",
+           "|---|---|---|" + "---|" * gamma]
+  for r in rows:
+    vs = ("-" if "diff_from_first" not in r
+          else f"{r['diff_from_first']:+.3f} ± {r['diff_from_first_se']:.3f}")
+    lines.append(f"| {r['method']} | {r['expected_tokens']:.3f} ± {r['expected_tokens_se']:.3f} "
+                 f"| {vs} | " + " | ".join(f"{a:.3f}" for a in r["alpha_by_position"]) + " |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  prog = "benchmarks.draft_quality"
+  fv = flags.FLAGS
+  cli.quiet_logging()
+  unknown = [m for m in fv.methods if m not in SELF_DRAFTING]
+  if unknown:
+    cli.fail(prog, f"unknown self-drafting methods {unknown}; choose from "
+                   f"{', '.join(SELF_DRAFTING)}")
+  for name, value in (("context", fv.context), ("passages", fv.passages),
+                      ("rounds", fv.rounds), ("gamma", fv.gamma)):
+    if value < 1:
+      cli.fail(prog, f"{name} must be >= 1, got {value}")
+  if not 1 <= fv.stride <= fv.gamma + 1:
+    cli.fail(prog, f"stride must be in 1..gamma + 1 = {fv.gamma + 1}, got {fv.stride}")
+  if fv.temperature <= 0:
+    cli.fail(prog, "temperature must be > 0: under greedy decoding alpha is 0 or 1 per draft")
+  from jaxspec.io.loading import load_model
+  dtype = jnp.float32 if fv.dtype == "float32" else jnp.bfloat16
+  loaded = load_model(fv.model, dtype=dtype)
+  sampling = SamplingParams(fv.temperature, fv.top_k, fv.top_p)
+  gamma, stride, rounds, context = fv.gamma, fv.stride, fv.rounds, fv.context
+  try:
+    prompts = workloads.continuation_prompts(loaded.tokenizer, fv.passages, context, context,
+                                             seed=fv.seed)
+  except ValueError as e:
+    cli.fail(prog, str(e))
+  # The model's own continuation, EOS ignored: the rounds need every position.
+  new = rounds * stride + gamma + 1
+  outputs, _ = Runner(loaded.model, sampling=sampling, cache_dtype=dtype).generate(
+      prompts, max_new_tokens=new, seed=fv.seed)
+  tokens = jnp.asarray([p + o for p, o in zip(prompts, outputs)], jnp.int32)
+  capacity = cache_capacity(tokens.shape[1])
+  settings = dict(model=fv.model, dtype=fv.dtype, context=context,
+                  passages=fv.passages, rounds=rounds, gamma=gamma, stride=stride,
+                  sparsity=fv.sparsity, min_tokens=fv.min_tokens,
+                  sampling=dataclasses.asdict(sampling), seed=fv.seed, device=device_name(),
+                  commit=git_commit(), date=datetime.date.today().isoformat(), argv=sys.argv)
+  rows, first = [], None
+  for method in fv.methods:
+    policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
+                         k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens))
+    alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
+                                rounds=rounds, sampling=sampling, cache_dtype=dtype, progress=True)
+    rows.append(dict(method=method, **summary(alpha, first), alpha=alpha.round(5).tolist()))
+    first = alpha if first is None else first
+    write_json(fv.out, dict(settings, rows=rows))
+  print(table(rows))
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main, "benchmarks.draft_quality")

@@ -1,0 +1,73 @@
+"""benchmarks.draft_quality: teacher-forced expected acceptance, on a tiny random model."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.draft_quality import (cache_capacity, expected_acceptance, expected_tokens,
+                                      summary)
+from jaxspec.drafting.policies import make_policy, static_k_max
+from jaxspec.engine.sampling import SamplingParams
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.transformer import init_random
+
+CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+PAPER = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+CONTEXT, GAMMA, STRIDE, ROUNDS = 96, 4, 3, 3
+CAPACITY = cache_capacity(CONTEXT + ROUNDS * STRIDE + GAMMA + 1)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  model = init_random(CFG, dtype=jnp.float32, seed=1)
+  n = CONTEXT + ROUNDS * STRIDE + GAMMA + 1
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, n), 0, CFG.vocab_size, jnp.int32)
+  return model, tokens
+
+
+def _alpha(setup, method, ratio, min_tokens=4):
+  model, tokens = setup
+  policy = make_policy(method, ratio=ratio, min_tokens=min_tokens,
+                       k_max=static_k_max(CAPACITY, ratio, min_tokens))
+  return expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
+                             rounds=ROUNDS, sampling=PAPER)
+
+
+@pytest.mark.parametrize("method,ratio", [("dense", 0.07), ("vegas", 1.0)])
+def test_drafts_that_read_every_key_are_always_accepted(setup, method, ratio):
+  """Dense drafting, or vegas keeping every key, drafts with the target's own distributions:
+  alpha = 1 at every position, so the rounds' bookkeeping (positions, tails, the drafts' K/V
+  overwritten by verification) matches the verification pass exactly."""
+  alpha = _alpha(setup, method, ratio)
+  assert alpha.shape == (ROUNDS, 2, GAMMA)
+  np.testing.assert_allclose(alpha, 1.0, atol=1e-4)
+  np.testing.assert_allclose(expected_tokens(alpha), GAMMA + 1, atol=1e-3)
+
+
+def test_a_small_selection_drafts_other_distributions(setup):
+  """Streaming over a few keys of a random model's near-uniform attention: the drafts differ
+  from the target, and every alpha is a probability."""
+  alpha = _alpha(setup, "streaming", 0.05)
+  assert np.all((alpha >= 0) & (alpha <= 1 + 1e-5))
+  assert alpha.mean() < 0.999
+
+
+def test_expected_tokens_and_the_paired_difference():
+  alpha = np.array([[[1.0, 1.0, 0.5], [0.5, 0.5, 0.5]]])        # [rounds, B, gamma]
+  np.testing.assert_allclose(expected_tokens(alpha), [[3.5, 1.875]])
+  row = summary(alpha, base=np.zeros_like(alpha))
+  assert row["expected_tokens"] == pytest.approx((3.5 + 1.875) / 2)
+  assert row["diff_from_first"] == pytest.approx((3.5 + 1.875) / 2 - 1.0)
+  assert row["alpha_by_position"] == [0.75, 0.75, 0.5]
+
+
+def test_bad_settings_are_one_line_errors(setup):
+  model, tokens = setup
+  policy = make_policy("vegas", ratio=0.5, min_tokens=4, k_max=64)
+  with pytest.raises(ValueError, match="stride must be in 1..gamma"):
+    expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=GAMMA + 2,
+                        rounds=1, sampling=PAPER)
+  with pytest.raises(ValueError, match="need"):
+    expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
+                        rounds=ROUNDS + 5, sampling=PAPER)
