@@ -34,9 +34,11 @@ def _alpha(setup, method, ratio, min_tokens=4):
                              rounds=ROUNDS, sampling=PAPER)
 
 
-@pytest.mark.parametrize("method,ratio", [("dense", 0.07), ("vegas", 1.0)])
+@pytest.mark.parametrize("method,ratio", [("dense", 0.07), ("vegas", 1.0), ("streaming", 1.0),
+                                          ("quest", 1.0), ("vegas-last", 1.0),
+                                          ("specextend", 1.0)])
 def test_drafts_that_read_every_key_are_always_accepted(setup, method, ratio):
-  """Dense drafting, or vegas keeping every key, drafts with the target's own distributions:
+  """Dense drafting, or a policy keeping every key, drafts with the target's own distributions:
   alpha = 1 at every position, so the rounds' bookkeeping (positions, tails, the drafts' K/V
   overwritten by verification) matches the verification pass exactly."""
   alpha = _alpha(setup, method, ratio)
