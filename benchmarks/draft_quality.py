@@ -6,20 +6,21 @@
 Each passage (workload (c)'s: a book passage as plain text, `workloads.continuation_prompts`) is
 continued by the model's own samples (vanilla decoding at the sampling flags), and rounds are then
 teacher-forced on that text, the same rounds for every method:
-  1. verification: a dense pass over the gamma + 1 tokens from the prefix length P, which gives
-     the target's distributions p and the scores the policy collects (`verify_scores`);
-  2. the prefix moves `--stride` tokens on: the tokens a round commits, the accepted drafts plus
-     the corrected or bonus token (about 7 in the engine's (c) runs at gamma 8);
-  3. the policy selects (`select_kv`, with `stride - 1` drafts accepted), and one sparse pass over
-     the next gamma tokens drafts them as a chain would (q);
-  4. draft i is accepted with probability alpha_i = sum_v min(p_i(v), q_i(v)), p and q under the
-     sampling filters: speculative sampling's exact acceptance, given drafts 1..i-1 accepted. A
-     round's expected tokens are 1 + sum_i prod_{j <= i} alpha_j.
-The next round verifies from P + stride. Teacher forcing feeds the text's tokens where the engine
-feeds the drafts' own samples, and the prefix moves by a fixed stride where the engine's moves by
-what was accepted; what it gives in exchange is a figure free of sampling noise whose differences
-between methods are paired. The drafts' attention is the pure-JAX reference's, so any backend
-and device give the same figures.
+  1. verification: a dense pass over the gamma + 1 tokens from the prefix length P collects the
+     scores the policy asks for (`verify_scores`);
+  2. the prefix moves `--stride` tokens on, to P': the tokens a round commits, the accepted
+     drafts plus the corrected or bonus token (about 7 in the engine's (c) runs at gamma 8);
+  3. the policy selects from those scores (`select_kv`, with `stride - 1` drafts accepted), and
+     one sparse pass over the gamma tokens from P' drafts them as a chain would: q;
+  4. the next verification, the dense pass over the gamma + 1 tokens from P', gives the target's
+     p at the same positions (and the next selection's scores). Draft i is accepted with
+     probability alpha_i = sum_v min(p_i(v), q_i(v)), p and q under the sampling filters:
+     speculative sampling's exact acceptance, given drafts 1..i-1 accepted. A round's expected
+     tokens are 1 + sum_i prod_{j <= i} alpha_j.
+Teacher forcing feeds the text's tokens where the engine feeds the drafts' own samples, and the
+prefix moves by a fixed stride where the engine's moves by what was accepted; what it gives in
+exchange is a figure free of sampling noise whose differences between methods are paired. The
+attention is the pure-JAX reference's: it runs on any device, a CPU included.
 
 Output: a markdown table on stdout (alpha by position, expected tokens a round with its standard
 error, and the paired difference from the first method), the settings and per-round alphas as
@@ -193,6 +194,8 @@ def main(argv):
   from jaxspec.io.loading import load_model
   dtype = jnp.float32 if fv.dtype == "float32" else jnp.bfloat16
   loaded = load_model(fv.model, dtype=dtype)
+  if loaded.tokenizer is None:
+    cli.fail(prog, f"{fv.model} ships no tokenizer: the passages are encoded from text")
   sampling = SamplingParams(fv.temperature, fv.top_k, fv.top_p)
   gamma, stride, rounds, context = fv.gamma, fv.stride, fv.rounds, fv.context
   try:

@@ -10,6 +10,7 @@ from jaxspec.drafting.policies import make_policy, static_k_max
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import init_random
+from subproc import run_module
 
 CFG = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -73,3 +74,15 @@ def test_bad_settings_are_one_line_errors(setup):
   with pytest.raises(ValueError, match="need"):
     expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
                         rounds=ROUNDS + 5, sampling=PAPER)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stride=10"], "stride must be in 1..gamma + 1 = 9, got 10"),
+    (["--methods=vegas,magic"], "unknown self-drafting methods ['magic']"),
+    (["--temperature=0"], "temperature must be > 0")])
+def test_the_command_refuses_bad_settings_in_one_line(tmp_path, args, message):
+  out = tmp_path / "dq.json"
+  res = run_module("benchmarks.draft_quality", *args, f"--out={out}", timeout=300)
+  assert res.returncode == 1 and message in res.stderr, res.stderr[-1000:]
+  assert len(res.stderr.strip().splitlines()) == 1
+  assert not out.exists()
