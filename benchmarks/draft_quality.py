@@ -36,7 +36,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from tqdm import tqdm
 
@@ -49,6 +49,7 @@ from jaxspec.engine.sampling import SamplingParams, probabilities
 from jaxspec.model.attention import Dense
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
+
 
 def define_flags() -> None:
   """The flags, defined only when run as a program: the tests import this module beside other
@@ -107,8 +108,8 @@ def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
                         sampling: SamplingParams, cache_dtype=jnp.float32,
                         progress: bool = False) -> np.ndarray:
   """alpha [rounds, B, gamma]: each draft's acceptance probability under `policy` (module doc),
-  teacher-forced on tokens [B, >= context + (rounds + 1) * stride + gamma], the first `context`
-  of which are the prompt."""
+  teacher-forced on tokens [B, >= context + rounds * stride + gamma + 1], the first `context` of
+  which are the prompt."""
   b, n = tokens.shape
   need = context + rounds * stride + gamma + 1
   if n < need:
@@ -135,7 +136,8 @@ def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
                    jnp.full((b,), stride - 1, jnp.int32))
     q, _, _ = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma],
                        _positions(nxt, b, gamma), plan)
-    # The dense pass overwrites the drafts' K/V, as verification does in the engine.
+    # The drafts' K/V stay in that pass (its cache is dropped): verification writes the target's
+    # own at those positions, as it overwrites the drafts' in the engine.
     logits, cache, scores = verify(cache, nxt)
     pd, qd = probabilities(logits[:, :gamma], sampling), probabilities(q, sampling)
     alphas.append(np.asarray(jnp.minimum(pd, qd).sum(-1)))
