@@ -76,12 +76,13 @@ def define_flags() -> None:
 _PREFILL_CHUNK = 512   # tokens per prefill pass: the reference attention's [T, S] logits stay small
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forward(graphdef, state, cache: KVCache, tokens, positions, plan):
-  """(logits [B, T, V] f32, cache with the tokens' K/V written, scores or None)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "logits"))
+def _forward(graphdef, state, cache: KVCache, tokens, plan, logits: bool = True):
+  """T tokens after cache.lengths -> (logits [B, T, V] f32, or None without `logits`; the cache
+  with their K/V written; scores or None)."""
   model = nnx.merge(graphdef, state)
-  hidden, cache, scores = model(tokens, positions, cache, plan)
-  return model.logits(hidden), cache, scores
+  hidden, cache, scores = model(tokens, cache.chain_positions(tokens.shape[1]), cache, plan)
+  return (model.logits(hidden) if logits else None), cache, scores
 
 
 @functools.partial(jax.jit, static_argnames=("policy",))
@@ -97,10 +98,6 @@ def cache_capacity(positions: int) -> int:
 
 def _at(cache: KVCache, length: int) -> KVCache:
   return cache.replace(lengths=jnp.full_like(cache.lengths, length))
-
-
-def _positions(start: int, b: int, t: int) -> jax.Array:
-  return jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
 def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
@@ -121,11 +118,11 @@ def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
   for start in range(0, context, _PREFILL_CHUNK):
     t = min(_PREFILL_CHUNK, context - start)
     _, cache, _ = _forward(graphdef, state, _at(cache, start), tokens[:, start:start + t],
-                           _positions(start, b, t), Dense())
+                           Dense(), logits=False)
 
   def verify(cache, p):
     return _forward(graphdef, state, _at(cache, p), tokens[:, p:p + gamma + 1],
-                    _positions(p, b, gamma + 1), Dense(scores=policy.verify_scores))
+                    Dense(scores=policy.verify_scores))
 
   alphas = []
   p = context
@@ -134,8 +131,7 @@ def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
     nxt = p + stride
     plan = _select(policy, _at(cache, nxt), scores, jnp.full((b,), p, jnp.int32),
                    jnp.full((b,), stride - 1, jnp.int32))
-    q, _, _ = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma],
-                       _positions(nxt, b, gamma), plan)
+    q, _, _ = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma], plan)
     # The drafts' K/V stay in that pass (its cache is dropped): verification writes the target's
     # own at those positions, as it overwrites the drafts' in the engine.
     logits, cache, scores = verify(cache, nxt)
