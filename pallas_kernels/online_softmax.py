@@ -7,7 +7,9 @@ an unnormalised accumulator acc [M, D] f32, the running max m [M] f32 of the bas
 far and the softmax denominator l [M] f32. The caller computes one block of logits s [M, bk]
 (scaled by sm_scale * LOG2E, masked entries -inf) and `update` folds it and its V block in. The
 kernels store (acc, m, l) unnormalised; `combine_splits` merges and normalises the split partials
-in XLA, and `unpack_queries` puts the rows back in [B, T, Hq, D].
+in XLA, and `unpack_queries` puts the rows back in [B, T, Hq, D]. Both kernels also take rows
+packed already (`PackedQueries`, what `rope_write` returns), so a decode, draft or verification
+step packs them in the kernel that applies RoPE rather than in a kernel of its own.
 
 Draft trees (both kernels, both references): `tree_bits` [T] or [B, T] int32, one per query row,
 replaces the causal rule on the keys from `lengths` on: key lengths + i is visible to row t iff
@@ -18,6 +20,7 @@ only the blocks between), `pack_bits` lays the bits out as the query tile.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -88,6 +91,37 @@ def pack_queries(q: jax.Array, hkv: int, m_rows: int) -> jax.Array:
   g = hq // hkv
   qp = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
   return jnp.pad(qp, ((0, 0), (0, 0), (0, m_rows - t * g), (0, 0)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedQueries:
+  """Query rows packed as `pack_queries` packs them: rows [B, Hkv, M, D] holding `t` tokens of
+  `num_heads` query heads (row r = t * G + g, zero rows past T * G)."""
+  rows: jax.Array
+  t: int = dataclasses.field(metadata=dict(static=True))
+  num_heads: int = dataclasses.field(metadata=dict(static=True))
+
+
+def query_shape(q: "jax.Array | PackedQueries", hkv: int) -> tuple[int, int, int, int]:
+  """(B, T, Hq, D) of q, [B, T, Hq, D] or `PackedQueries` over `hkv` KV heads (checked)."""
+  if not isinstance(q, PackedQueries):
+    if q.ndim != 4:
+      raise ValueError(f"q must be [B,T,Hq,D], got {q.shape}")
+    return q.shape
+  rows = q.rows.shape
+  if (len(rows) != 4 or q.num_heads % hkv or rows[1] != hkv
+      or rows[2] != pow2_rows(q.t * (q.num_heads // hkv))):
+    raise ValueError(f"packed queries {rows} do not hold {q.t} tokens of {q.num_heads} heads "
+                     f"over {hkv} KV heads")
+  return rows[0], q.t, q.num_heads, rows[3]
+
+
+def unpacked(q: "jax.Array | PackedQueries", hkv: int) -> jax.Array:
+  """q as [B, T, Hq, D], unpacking `PackedQueries` (what the references take)."""
+  if not isinstance(q, PackedQueries):
+    return q
+  return unpack_queries(q.rows, q.t, q.num_heads // hkv)
 
 
 def unpack_queries(o: jax.Array, t: int, g: int) -> jax.Array:

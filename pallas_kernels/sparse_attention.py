@@ -59,15 +59,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import online_softmax
-from pallas_kernels.online_softmax import NEG_INF, combine_splits, default_splits, pow2_rows
+from pallas_kernels.online_softmax import (NEG_INF, PackedQueries, combine_splits, default_splits,
+                                           pow2_rows)
 
 
 def _check(q, k, v, indices, counts, tail_start, lengths):
-  if q.ndim != 4:
-    raise ValueError(f"q must be [B,T,Hq,D], got {q.shape}")
-  b, _, hq, d = q.shape
-  if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hq % k.shape[2]:
-    raise ValueError(f"q {q.shape} does not match cache {k.shape}")
+  if k.ndim != 4:
+    raise ValueError(f"k must be [B,S,Hkv,D], got {k.shape}")
+  b, t, hq, d = online_softmax.query_shape(q, k.shape[2])
+  if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hq % k.shape[2]:
+    raise ValueError(f"q {(b, t, hq, d)} does not match cache {k.shape}")
   per_head = indices.ndim == 3
   if indices.ndim not in (2, 3) or indices.shape[0] != b or (per_head and indices.shape[1] != k.shape[2]):
     raise ValueError(f"indices must be [B,K] or [B,Hkv,K]; got {indices.shape} for cache {k.shape}")
@@ -84,8 +85,9 @@ def sparse_attention_reference(q, k, v, indices, counts, tail_start, lengths, *,
   """Pure-JAX reference: builds the visibility mask over the whole cache. Returns [B,T,Hq,D].
 
   tree_bits [T] or [B, T] int32: the keys from lengths on follow each row's ancestor bits instead
-  of the causal rule (see the module docstring)."""
+  of the causal rule (see the module docstring). Packed queries are unpacked first."""
   _check(q, k, v, indices, counts, tail_start, lengths)
+  q = online_softmax.unpacked(q, k.shape[2])
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -295,14 +297,15 @@ MAX_ROWS = 128
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "interpret", "block_k", "num_splits", "tail_splits", "num_warps", "num_stages"))
-def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Array,
+def sparse_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array, indices: jax.Array,
                      counts: jax.Array, tail_start: jax.Array, lengths: jax.Array, *,
                      sm_scale: float | None = None, interpret: bool = False, block_k: int = 32,
                      num_splits: int | None = None, tail_splits: int = 2,
                      num_warps: int | None = None, num_stages: int = 3,
                      tree_bits: jax.Array | None = None) -> jax.Array:
   """Pallas gathered sparse attention; same contract as sparse_attention_reference, `tree_bits`
-  included (None compiles the chain's kernel, unchanged).
+  included (None compiles the chain's kernel, unchanged). q may also come packed already
+  (`PackedQueries`, from `rope_write`), holding at most MAX_ROWS rows per KV head.
 
   Returns [B,T,Hq,D] in q.dtype. A chain of more than MAX_ROWS // G rows (STS-PD's chunks) runs
   in slices of rows, each re-reading the selection. Knobs: `block_k` gathered rows per tile (power
@@ -316,12 +319,16 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
     raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
   if tail_splits < 1:
     raise ValueError(f"tail_splits must be >= 1, got {tail_splits}")
-  b, t, hq, d = q.shape
+  b, t, hq, d = online_softmax.query_shape(q, k.shape[2])
   hkv = k.shape[2]
   if d < 16 or d & (d - 1):
     raise ValueError(f"head_dim must be a power of two >= 16 for tl.dot, got {d}")
   g = hq // hkv
   rows = max(1, MAX_ROWS // g)
+  packed = isinstance(q, PackedQueries)
+  if packed and t * g > MAX_ROWS:
+    raise ValueError(f"packed queries hold {t * g} rows per KV head, more than one tile's "
+                     f"{MAX_ROWS}: pass them unpacked")
   if tree_bits is None and t > rows:
     # A tile holds every query row of a KV head, and past MAX_ROWS packed rows it outgrows shared
     # memory (T = 64 rows of G = 6 at head_dim 128: 560 KB of 227). A chain's rows split exactly:
@@ -349,7 +356,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
   programs = online_softmax.DEFAULT_PROGRAMS if m_rows <= 16 and not small else 1024
   num_warps = num_warps or (2 if small else 4)
   splits = num_splits or default_splits(b * hkv, pl.cdiv(indices.shape[-1], block_k), programs)
-  qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g
+  qp = q.rows if packed else online_softmax.pack_queries(q, hkv, m_rows)   # row r = t*G + g
   tree = None
   if tree_bits is not None:
     bits = online_softmax.batch_bits(tree_bits, b, t)                     # [B,T]
@@ -360,4 +367,4 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, indices: jax.Arra
       tail_splits=tail_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret))(
           qp, k, v, indices, counts, tail_start.astype(jnp.int32), lengths.astype(jnp.int32), tree)
   o, _ = combine_splits(*parts)                         # [B,Hkv,M,D]
-  return online_softmax.unpack_queries(o, t, g).astype(q.dtype)
+  return online_softmax.unpack_queries(o, t, g).astype(qp.dtype)

@@ -95,18 +95,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import online_softmax
-from pallas_kernels.online_softmax import NEG_INF, combine_splits, default_splits, pow2_rows
+from pallas_kernels.online_softmax import (NEG_INF, PackedQueries, combine_splits, default_splits,
+                                           pow2_rows)
 
 _SCORED_PROGRAMS = 792    # ~6 per SM: 'logits' scores with 64 query rows (see verify_attention)
 _SMALL_TILE_PROGRAMS = 8 * online_softmax.SMS   # a decode-sized tile at head_dim < 128 (the same)
 
 
 def _check_shapes(q, k, v, lengths):
-  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-    raise ValueError(f"expected q [B,T,Hq,D] and k, v [B,S,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
-  b, _, hq, d = q.shape
+  if k.ndim != 4 or k.shape != v.shape:
+    raise ValueError(f"expected k, v [B,S,Hkv,D]; got {k.shape}, {v.shape}")
+  b, t, hq, d = online_softmax.query_shape(q, k.shape[2])
   if k.shape[0] != b or k.shape[3] != d or hq % k.shape[2]:
-    raise ValueError(f"q {q.shape} does not match cache {k.shape} (batch, head_dim, GQA grouping)")
+    raise ValueError(f"q {(b, t, hq, d)} does not match cache {k.shape} (batch, head_dim, GQA "
+                     "grouping)")
   if lengths.shape != (b,):
     raise ValueError(f"lengths must be [B]={b}, got {lengths.shape}")
 
@@ -144,6 +146,7 @@ def verify_attention_reference(q, k, v, lengths, *, score_kind: str | None = Non
   module docstring for the shapes.
   """
   _check_shapes(q, k, v, lengths)
+  q = online_softmax.unpacked(q, k.shape[2])
   b, t, hq, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -578,10 +581,19 @@ def tiling(b: int, t: int, hq: int, hkv: int, d: int, s: int, score_kind: str | 
   return block_k, num_warps, splits
 
 
+def runs_heads_as_columns(t: int, hq: int, hkv: int, d: int, score_kind: str | None,
+                          tree: bool) -> bool:
+  """Whether `verify_attention` runs every KV head as one wide head (its queries in their own
+  layout, not packed): a decode whose query rows all fit one 16-row tile, at head_dim < 128."""
+  return (score_kind is None and not tree and t * hq <= 16 and d < 128 and hkv in (2, 4, 8)
+          and hkv * d <= 128)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
     "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store"))
-def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
+def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
+                     lengths: jax.Array, *,
                      score_kind: str | None = None,
                      score_rows: tuple[int, ...] | None = (0, -1),
                      sm_scale: float | None = None, per_row: bool = False,
@@ -602,7 +614,8 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   tile (power of two >= 16), `num_splits` splits of the sequence per (sequence, KV head),
   Triton's `num_warps` and `num_stages`; None takes the defaults of `tiling` (a decode that runs
   its KV heads as one wide head, see the module docstring, takes the knobs, and their defaults,
-  of that head_dim).
+  of that head_dim). q may come packed already (`PackedQueries`, from `rope_write`) wherever
+  `runs_heads_as_columns` is False.
   `weights_store`: collected 'weights' (not per row, no tree) from the main pass's stored logits
   rather than a second pass over K; None (the default) stores where that moves fewer bytes: the
   packed rows up to the last collected one, written and read back in f32, against one read of K
@@ -614,12 +627,14 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   if score_kind is not None and score_heads != "mean" and (score_heads != "kv" or per_row):
     raise ValueError(f"the kernel collects score_heads 'mean', or 'kv' without per_row; got "
                      f"{score_heads!r}{' per row' if per_row else ''} (the reference has them all)")
-  b, t, hq, d = q.shape
+  b, t, hq, d = online_softmax.query_shape(q, k.shape[2])
   s, hkv = k.shape[1], k.shape[2]
   if d < 16 or d & (d - 1):
     raise ValueError(f"head_dim must be a power of two >= 16 for tl.dot, got {d}")
-  if (score_kind is None and tree_bits is None and t * hq <= 16 and d < 128
-      and hkv in (2, 4, 8) and hkv * d <= 128):
+  packed = isinstance(q, PackedQueries)
+  if runs_heads_as_columns(t, hq, hkv, d, score_kind, tree_bits is not None):
+    if packed:
+      raise ValueError("this decode runs its KV heads as one wide head: pass its queries unpacked")
     # Every query row of every KV head fits one 16-row tile: run the heads as one KV head of
     # head_dim Hkv*D (a bitcast of the cache), each head's query zero outside its own D columns,
     # so a program reads whole Hkv*D-wide rows. Qwen2.5-0.5B decode (B=64 x 24576, H100): 279 us
@@ -639,7 +654,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
   scale = d ** -0.5 if sm_scale is None else sm_scale
   rows = None if score_kind is None else normalize_rows(score_rows, t)
 
-  qp = online_softmax.pack_queries(q, hkv, m_rows)     # [B,Hkv,M,D], row r = t*G + g
+  qp = q.rows if packed else online_softmax.pack_queries(q, hkv, m_rows)   # row r = t*G + g
   lengths = lengths.astype(jnp.int32)
   tree = None
   if tree_bits is not None:
@@ -667,7 +682,7 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                                     score_mode=score_mode, store_rows=store_rows, **common))(
                                         qp, k, v, lengths, qsum, tree)
   o, lse2 = combine_splits(*outs[:3])                   # [B,Hkv,M,D], [B,Hkv,M]
-  out = online_softmax.unpack_queries(o, t, g).astype(q.dtype)
+  out = online_softmax.unpack_queries(o, t, g).astype(qp.dtype)
   if score_kind is None:
     return out, None
 

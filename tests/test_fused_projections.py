@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxspec.engine.runner import generate
-from jaxspec.model.attention import NSA, Dense, Prefill
+from jaxspec.model.attention import NSA, Dense, Prefill, ScoreSpec, Sparse
 from jaxspec.model.config import ModelConfig, NSAConfig
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import fuse_projections, init_random
@@ -51,6 +51,63 @@ def test_fused_model_computes_the_same_forward(cfg, plan):
   width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   assert params["self_attn"]["qkv_proj"]["kernel"].shape == (cfg.hidden_size, width)
   assert ("bias" in params["self_attn"]["qkv_proj"]) == cfg.qkv_bias
+
+
+CALLS = {   # plan, T new tokens, whether `rope_write` runs
+    "draft-step": (lambda lengths, layers, b: Sparse(
+        indices=jnp.tile(jnp.array([1, 4, 9, 15], jnp.int32), (layers, b, 1)),
+        counts=jnp.full((layers, b), 4, jnp.int32), tail_start=lengths - 3), 1, True),
+    "verify-collect2": (lambda *_: Dense(scores=ScoreSpec()), 4, True),
+    "verify-tree": (lambda *_: Dense(tree_bits=jnp.array([0b1, 0b11, 0b101], jnp.int32)), 3, True),
+    # 4 query rows of head_dim 16: the decode kernel runs its KV heads as one wide head
+    "decode-wide-heads": (lambda *_: Dense(), 1, False),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("cfg", [QWEN3, QWEN2], ids=["qwen3-qk-norm", "qwen2-bias"])
+def test_kernel_backends_write_the_cache_in_one_kernel(cfg, call):
+  """On the kernel backends draft, verification and decode steps run RoPE, the cache write and
+  the query packing as `rope_write` (where their attention kernel takes packed queries): the
+  interpret backend gives the reference backend's hidden states, cache and scores, and its
+  program holds that kernel once a layer."""
+  make_plan, t, fused = CALLS[call]
+  model = init_random(cfg, dtype=jnp.float32, seed=1)
+  fuse_projections(model)
+  b, prompt, cap = 2, 24, 64
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (b, prompt), 0, cfg.vocab_size)
+  cache = KVCache.create(cfg, b, cap, jnp.float32)
+  _, cache, _ = model(tokens, cache.chain_positions(prompt), cache, Prefill())
+  cache = cache.replace(lengths=jnp.array([prompt, prompt - 5], jnp.int32))
+  plan = make_plan(cache.lengths, cfg.num_layers, b)
+  step = tokens[:, -t:]
+
+  def run(backend):
+    return model(step, cache.chain_positions(t), cache, plan, backend)
+
+  want_h, want_cache, want_scores = run("reference")
+  got_h, got_cache, got_scores = run("interpret")
+  np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-5)
+  for got, want in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  if want_scores is not None:
+    np.testing.assert_allclose(np.asarray(got_scores, np.float32),
+                               np.asarray(want_scores, np.float32), rtol=2e-2, atol=2e-2)
+  program = str(jax.make_jaxpr(lambda: run("interpret")[0])())
+  assert program.count("name=rope_write\n") == (cfg.num_layers if fused else 0)
+  assert "rope_write" not in str(jax.make_jaxpr(lambda: run("reference")[0])())
+
+
+def test_vegas_decodes_the_same_tokens_on_the_kernels_with_fused_projections():
+  """Prefill, draft steps and verification through `rope_write` and the kernels (interpret
+  mode): greedy float32 output and acceptance equal the reference backend's."""
+  prompts = [list(range(3, 40)), list(range(50, 61))]
+  model = fuse_projections(init_random(QWEN3, dtype=jnp.float32, seed=2))
+  kw = dict(method="vegas", gamma=3, sparsity=0.3, min_tokens=8, max_new_tokens=16)
+  ref, ref_stats = generate(model, prompts, backend="reference", **kw)
+  out, stats = generate(model, prompts, backend="interpret", **kw)
+  assert out == ref
+  assert stats.extra["mean_accepted_tokens"] == ref_stats.extra["mean_accepted_tokens"]
 
 
 def test_vegas_decodes_the_same_tokens_with_fused_projections():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import online_softmax
+from pallas_kernels import rope_write as rw
 from pallas_kernels import sparse_attention as sp
 from pallas_kernels import topk_select as tk
 from pallas_kernels import verify_attention as va
@@ -402,6 +403,130 @@ def test_sparse_attention_bad_shapes():
                         interpret=True)
   with pytest.raises(ValueError):
     sp.sparse_attention(q, k, k, jnp.zeros((2, 8), jnp.int32), z, z[:1], z, interpret=True)
+
+
+def test_sparse_attention_takes_packed_queries():
+  """Queries packed already (`PackedQueries`) give the unpacked call's output, in the kernel and
+  in the reference."""
+  b, s, t, hq, hkv, d, kk = 3, 64, 2, 6, 2, 32, 12
+  q = _normal((b, t, hq, d))
+  k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
+  idx = jnp.asarray(np.stack([_RNG.permutation(40)[:kk] for _ in range(b)]), jnp.int32)
+  args = (idx, jnp.full((b,), kk, jnp.int32), jnp.full((b,), 40, jnp.int32),
+          jnp.array([45, 50, 40], jnp.int32))
+  packed = online_softmax.PackedQueries(
+      online_softmax.pack_queries(q, hkv, online_softmax.pow2_rows(t * hq // hkv)), t, hq)
+  want = sp.sparse_attention(q, k, v, *args, interpret=True)
+  got = sp.sparse_attention(packed, k, v, *args, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(sp.sparse_attention_reference(packed, k, v, *args), np.float32),
+      np.asarray(sp.sparse_attention_reference(q, k, v, *args), np.float32))
+  with pytest.raises(ValueError, match="do not hold"):
+    sp.sparse_attention(online_softmax.PackedQueries(packed.rows, t + 4, hq), k, v, *args,
+                        interpret=True)
+
+
+def test_verify_attention_takes_packed_queries():
+  """Queries packed already give the unpacked call's output and scores; the decode that runs its
+  KV heads as one wide head refuses them."""
+  b, s, t, hq, hkv, d = 2, 48, 5, 4, 2, 32
+  q = _normal((b, t, hq, d))
+  k, v = _normal((b, s, hkv, d)), _normal((b, s, hkv, d))
+  lengths = jnp.array([20, 41], jnp.int32)
+  packed = online_softmax.PackedQueries(online_softmax.pack_queries(q, hkv, 16), t, hq)
+  for kw in ({}, dict(score_kind="logits")):
+    want = va.verify_attention(q, k, v, lengths, interpret=True, **kw)
+    got = va.verify_attention(packed, k, v, lengths, interpret=True, **kw)
+    for g, w in zip(got, want):
+      if w is not None:
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(va.verify_attention_reference(packed, k, v, lengths)[0], np.float32),
+      np.asarray(va.verify_attention_reference(q, k, v, lengths)[0], np.float32))
+  one = online_softmax.PackedQueries(online_softmax.pack_queries(q[:, :1], hkv, 16), 1, hq)
+  assert va.runs_heads_as_columns(1, hq, hkv, d, None, False)
+  with pytest.raises(ValueError, match="wide head"):
+    va.verify_attention(one, k, v, lengths, interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# rope_write
+
+ROPE_WRITE_CASES = [
+    # B, T, Hq, Hkv, D, S, qk_norm, lengths (None: random, room for T), dtype
+    (3, 1, 12, 2, 64, 40, False, None, jnp.bfloat16),      # a draft step, G = 6
+    (2, 3, 6, 3, 32, 16, True, None, jnp.bfloat16),        # three tokens, Hkv = 3, Qwen3's norms
+    (2, 2, 4, 2, 16, 8, False, [7, 3], jnp.float32),       # the first's second token past S
+    (2, 1, 2, 2, 16, 8, False, [8, 0], jnp.float32),       # a whole write past S, G = 1
+]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,d,s,norm,lengths,dtype", ROPE_WRITE_CASES)
+def test_rope_write(b, t, hq, hkv, d, s, norm, lengths, dtype):
+  """The kernel equals the reference: the packed, rotated queries bit for bit and the caches
+  written at lengths + t only (slots past S dropped), every other entry unchanged."""
+  qkv = _normal((b, t, hq + 2 * hkv, d), dtype)
+  angles = jnp.asarray(_RNG.uniform(0, 50, (b, t, d)), jnp.float32)
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  k_cache, v_cache = _normal((b, s, hkv, d), dtype), _normal((b, s, hkv, d), dtype)
+  lengths = jnp.asarray(_RNG.integers(0, s - t + 1, b) if lengths is None else lengths, jnp.int32)
+  norms = dict(q_norm=_normal((d,), dtype), k_norm=_normal((d,), dtype)) if norm else {}
+  want = rw.rope_write_reference(qkv, cos, sin, k_cache, v_cache, lengths, num_heads=hq, **norms)
+  got = rw.rope_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads=hq, interpret=True,
+                      **norms)
+  assert (got[0].t, got[0].num_heads) == (t, hq)
+  m_rows = online_softmax.pow2_rows(t * hq // hkv)
+  assert got[0].rows.shape == (b, hkv, m_rows, d) and got[0].rows.dtype == dtype
+  np.testing.assert_allclose(np.asarray(got[0].rows, np.float32),
+                             np.asarray(want[0].rows, np.float32), rtol=1e-6, atol=1e-6)
+  assert not np.asarray(got[0].rows[:, :, t * hq // hkv:], np.float32).any()   # zero padding
+  for cache, g, w in ((k_cache, got[1], want[1]), (v_cache, got[2], want[2])):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=1e-6, atol=1e-6)
+    written = np.zeros((b, s), bool)
+    for i in range(b):
+      written[i, int(lengths[i]):int(lengths[i]) + t] = True
+    np.testing.assert_array_equal(np.asarray(g)[~written], np.asarray(cache)[~written])
+    assert not np.array_equal(np.asarray(g)[written], np.asarray(cache)[written]) or not written.any()
+
+
+def test_rope_write_is_the_models_rope_and_packing():
+  """The reference is what the model's XLA path computes: `apply_rope`, `kv_cache.write`,
+  `pack_queries`."""
+  from jaxspec.model.kv_cache import write
+  from jaxspec.model.rope import apply_rope
+  b, t, hq, hkv, d, s = 2, 2, 4, 2, 16, 10
+  qkv = _normal((b, t, hq + 2 * hkv, d))
+  angles = jnp.asarray(_RNG.uniform(0, 50, (b, t, d)), jnp.float32)
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  cache = _normal((b, s, hkv, d))
+  lengths = jnp.array([3, 8], jnp.int32)
+  q, k_cache, v_cache = rw.rope_write_reference(qkv, cos, sin, cache, cache, lengths,
+                                                num_heads=hq)
+  slots = lengths[:, None] + jnp.arange(t)[None]
+  np.testing.assert_array_equal(
+      np.asarray(q.rows, np.float32),
+      np.asarray(online_softmax.pack_queries(apply_rope(qkv[:, :, :hq], cos, sin), hkv, 16),
+                 np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(k_cache, np.float32),
+      np.asarray(write(cache, apply_rope(qkv[:, :, hq:hq + hkv], cos, sin), slots), np.float32))
+  np.testing.assert_array_equal(np.asarray(v_cache, np.float32),
+                                np.asarray(write(cache, qkv[:, :, hq + hkv:], slots), np.float32))
+
+
+def test_rope_write_bad_shapes():
+  qkv = jnp.zeros((2, 1, 8, 16))
+  cache = jnp.zeros((2, 10, 2, 16))
+  cs = jnp.zeros((2, 1, 16))
+  z = jnp.zeros((2,), jnp.int32)
+  with pytest.raises(ValueError, match="query heads"):
+    rw.rope_write(qkv, cs, cs, cache, cache, z, num_heads=6, interpret=True)
+  with pytest.raises(ValueError, match="cos/sin"):
+    rw.rope_write(qkv, cs[:, :, :8], cs, cache, cache, z, num_heads=4, interpret=True)
+  with pytest.raises(ValueError, match="q_norm"):
+    rw.rope_write(qkv, cs, cs, cache, cache, z, num_heads=4, q_norm=jnp.ones(16), interpret=True)
 
 
 # ----------------------------------------------------------------------------------------------

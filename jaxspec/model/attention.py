@@ -1,6 +1,9 @@
 """The one attention dispatch point of the model, and the plans that tell it what to compute.
 
-Every attention layer calls `attend(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend)`.
+Every attention layer calls `attend(q, k_new, v_new, k_cache, v_cache, lengths, plan, backend)`,
+after writing the new K/V into the cache; where `writes_in_kernel` says so (decode, draft and
+verification steps on the kernels) `rope_write` does the RoPE, that write and the query packing in
+one kernel first.
 The plan says *what* (one small type per mode, each field meaning one thing); the backend says
 *how* (pure-JAX reference, Pallas kernels, or the Pallas kernels in interpret mode on the CPU).
 This is the only place that chooses between the references and the kernels of `pallas_kernels/`.
@@ -63,6 +66,7 @@ from jaxspec.drafting import pages as _pages
 from jaxspec.model import nsa as _nsa
 from jaxspec.model.sharding import AXIS, HEADS
 from pallas_kernels import nsa_attention as _nsa_kernels
+from pallas_kernels import rope_write as _rope_write
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 
@@ -248,12 +252,46 @@ def as_nsa(plan: Plan) -> NSA:
                    f"whole window), got {type(plan).__name__}")
 
 
+# The most new tokens a call writes with `rope_write`, which unrolls its cache writes per token.
+ROPE_WRITE_MAX_T = 16
+
+
+def writes_in_kernel(plan: Plan, backend: str, mesh: Mesh | None, t: int, num_heads: int,
+                     num_kv_heads: int, head_dim: int) -> bool:
+  """Whether a call of T new tokens runs its RoPE, KV-cache write and query packing as one kernel
+  (`rope_write`) rather than three XLA kernels: on a kernel backend and one device, a Sparse plan
+  (draft steps) of up to one tile of query rows a KV head, or a Dense plan (decode steps,
+  verification) whose kernel takes packed queries; T <= ROPE_WRITE_MAX_T."""
+  if backend == "reference" or mesh is not None or t > ROPE_WRITE_MAX_T:
+    return False
+  if isinstance(plan, Sparse):
+    return t * (num_heads // num_kv_heads) <= _sparse.MAX_ROWS
+  if isinstance(plan, Dense):
+    kind = None if plan.scores is None else plan.scores.kind
+    return not _verify.runs_heads_as_columns(t, num_heads, num_kv_heads, head_dim, kind,
+                                             plan.tree_bits is not None)
+  return False
+
+
+def rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array,
+               v_cache: jax.Array, lengths: jax.Array, backend: str, *, num_heads: int,
+               q_norm: jax.Array | None = None, k_norm: jax.Array | None = None,
+               eps: float = 1e-6):
+  """`pallas_kernels.rope_write` on `backend` ('pallas' or 'interpret'): the fused projection
+  qkv [B, T, Hq + 2 Hkv, D] -> (packed queries for `attend`, k_cache, v_cache written at
+  lengths + t). Where `writes_in_kernel` says so."""
+  return _rope_write.rope_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads=num_heads,
+                                q_norm=q_norm, k_norm=k_norm, eps=eps,
+                                interpret=backend == "interpret")
+
+
 def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
            v_cache: jax.Array, lengths: jax.Array, plan: Plan, backend: str,
            mesh: Mesh | None = None, nsa: _nsa.NSAInputs | None = None
            ) -> tuple[jax.Array, jax.Array | None]:
   """q/k_new/v_new [B, T, H, D] (the new tokens; their K/V already written into the cache),
-  lengths [B] the valid entries before them. Returns (out [B, T, Hq, D], scores or None):
+  lengths [B] the valid entries before them. Where `writes_in_kernel` holds, q may come packed
+  (`rope_write`'s; k_new and v_new are then unused). Returns (out [B, T, Hq, D], scores or None):
   scores [B, S] bf16 for a `ScoreSpec` of summed rows, [B, T, S] with `per_row`. `mesh`: the
   tensor-parallel mesh the head axes are split over (`Transformer.mesh`; None: one device).
 

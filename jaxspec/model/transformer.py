@@ -33,7 +33,7 @@ from flax import nnx
 from jaxspec.model import kv_cache as kvc
 from jaxspec.model import nsa
 from jaxspec.model import sharding
-from jaxspec.model.attention import NSA, Plan, as_nsa, attend
+from jaxspec.model.attention import NSA, Plan, as_nsa, attend, rope_write, writes_in_kernel
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.rope import apply_rope, rope_tables
 from jaxspec.model.sharding import HEADS, REPLICATED, constrain
@@ -94,10 +94,22 @@ class Attention(nnx.Module):
 
   def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh):
     b, t, _ = x.shape
-    q, k, v = self.qkv(x, cos, sin, mesh)
-    k_cache = kvc.write(k_cache, k, slots)
-    v_cache = kvc.write(v_cache, v, slots)
-    out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan, backend, mesh)
+    cfg = self.cfg
+    if hasattr(self, "qkv_proj") and writes_in_kernel(
+        plan, backend, mesh, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+      # One kernel: RoPE, the cache write at slots lengths + t (the chain's slots,
+      # `Transformer.__call__`) and the queries packed for the attention kernel.
+      norms = dict(q_norm=self.q_norm.weight[...], k_norm=self.k_norm.weight[...],
+                   eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
+      q, k_cache, v_cache = rope_write(
+          self.qkv_proj(x).reshape(b, t, -1, cfg.head_dim), cos, sin, k_cache, v_cache, lengths,
+          backend, num_heads=cfg.num_heads, **norms)
+      out, scores = attend(q, None, None, k_cache, v_cache, lengths, plan, backend, mesh)
+    else:
+      q, k, v = self.qkv(x, cos, sin, mesh)
+      k_cache = kvc.write(k_cache, k, slots)
+      v_cache = kvc.write(v_cache, v, slots)
+      out, scores = attend(q, k, v, k_cache, v_cache, lengths, plan, backend, mesh)
     out = constrain(self.o_proj(out.reshape(b, t, -1)), mesh, REPLICATED)
     return out, k_cache, v_cache, scores
 
