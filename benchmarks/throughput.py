@@ -329,7 +329,7 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
 def scale_run(model, draft_model, methods, batch: int, context: int, sampling: SamplingParams,
               backend: str) -> list[dict]:
   """Random weights: ms per vanilla step and per speculative round over a filled cache, the
-  draft / verify / select shares, and (--trace) GPU time per kernel of one compiled chunk."""
+  draft / verify / select shares (--profile), and (--trace) GPU time per kernel of one compiled chunk."""
   cfg = model.cfg
   rows = []
   steps = 8
@@ -357,7 +357,7 @@ def scale_run(model, draft_model, methods, batch: int, context: int, sampling: S
         total = row["trace"]["device_us"] or 1.0   # 0 where no GPU stream was traced
         row["trace"]["family_shares"] = {name: round(us / total, 4)
                                          for name, us in families.items()}
-      if runner.speculative:
+      if runner.speculative and _PROFILE.value:
         holder[0], row["phases"] = phase_times(runner, holder[0])
       rows.append(row)
       holder = None  # free this cache before the next method

@@ -268,3 +268,4 @@ def test_throughput_scale_run_of_specattn_and_sts():
   assert all("error" not in row for row in rows), rows
   assert rows[0]["sparsity"] == 0.9 and rows[0]["ms_per_round"] > 0
   assert rows[1]["sparsity"] == 16 and rows[1]["ms_per_round"] > 0
+  assert not any("phases" in row for row in rows)   # --noprofile: no phase timers compiled
