@@ -329,7 +329,8 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
 def scale_run(model, draft_model, methods, batch: int, context: int, sampling: SamplingParams,
               backend: str) -> list[dict]:
   """Random weights: ms per vanilla step and per speculative round over a filled cache, the
-  draft / verify / select shares (--profile), and (--trace) GPU time per kernel of one compiled chunk."""
+  draft / verify / select shares (--profile), and (--trace) GPU time per kernel of one compiled
+  chunk."""
   cfg = model.cfg
   rows = []
   steps = 8
