@@ -24,7 +24,8 @@ stores them; the caches are aliased to the outputs, so only the new rows are wri
 `rope_write` is the kernel (Pallas Triton; `interpret=True` on the CPU), `rope_write_reference`
 the same computation in plain JAX. Both round as the model's XLA path does: the norm's output in
 qkv's dtype, RoPE in float32, the result in qkv's dtype. On an H200 the kernel's outputs equal
-the XLA path's bit for bit without norms; with them the rsqrt may round one bf16 ulp apart.
+the XLA path's bit for bit at the 1.5B's and 0.5B's shapes (T 1 and 9); with q/k norms the rsqrt
+may round one bf16 ulp apart.
 
 Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md, thirty-seventh session): 2.7 us a
 layer-step in a draft step of the 1.5B at B = 128, where the three XLA kernels took 7.1; a vegas
