@@ -329,8 +329,8 @@ def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_to
 def scale_run(model, draft_model, methods, batch: int, context: int, sampling: SamplingParams,
               backend: str) -> list[dict]:
   """Random weights: ms per vanilla step and per speculative round over a filled cache, the
-  draft / verify / select shares (--profile), and (--trace) GPU time per kernel of one compiled
-  chunk."""
+  seconds its chunk took to compile, the draft / verify / select shares (--profile), and (--trace)
+  GPU time per kernel of one compiled chunk."""
   cfg = model.cfg
   rows = []
   steps = 8
@@ -339,13 +339,14 @@ def scale_run(model, draft_model, methods, batch: int, context: int, sampling: S
     try:
       runner = make_runner(model, draft_model, entry, sampling, (), backend)
       holder = [scale_state(runner, batch, context, context + 64 * (g + 1), steps * 64)]
+      holder[0], compile_s = runner.step(holder[0], steps)   # compiles the chunk, then runs it
 
       def run():
         holder[0] = runner.step(holder[0], steps)[0]
         return holder[0]
       t = time_fn(run, warmup=1, reps=3) / steps
       row = dict(method=entry, gamma=g, sparsity=ratio, batch=batch, context=context,
-                 ms_per_round=t * 1e3,
+                 ms_per_round=t * 1e3, compile_s=round(compile_s, 2),
                  note="random weights: acceptance meaningless; ms per step (none) or per "
                       "draft+verify round")
       if _TRACE.value:

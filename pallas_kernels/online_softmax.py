@@ -37,6 +37,13 @@ MAX_INIT = -1e30
 State = tuple[jax.Array, jax.Array, jax.Array]   # (acc [M, D], m [M], l [M]), all f32
 SMS = 132                # streaming multiprocessors of an H100 or H200
 DEFAULT_PROGRAMS = 4 * SMS   # ~4 programs per SM
+# `combine_splits` merges up to this many splits term by term: elementwise, which XLA emits as one
+# fusion (as reductions over the split axis, two kernels a call). Longer split axes, as a small
+# batch's decode has (69 at B = 1 over 8K keys, up to 528), are reduced: unrolled, their terms
+# made fusions of ~1000 instructions, and XLA's fusion passes spent most of the 37-44 s it took to
+# compile a 1.5B decode loop at B = 1 in them (3 s reduced, with no slower step: H200, RESULTS.md,
+# thirty-eighth session).
+UNROLLED_SPLITS = 16
 
 
 def dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -148,8 +155,12 @@ def combine_splits(o, m, l):
 
   lse2 is the base-2 log-sum-exp of the scaled logits. Rows with nothing visible get out = 0.
   """
-  # The split axis is short and static: merged term by term, the merge is elementwise, which XLA
-  # emits as one fusion (as reductions over that axis it emitted two kernels a call).
+  if m.shape[-2] > UNROLLED_SPLITS:
+    m_max = jnp.max(m, axis=-2)
+    w = jnp.exp2(m - m_max[..., None, :])
+    l_sum = jnp.sum(w * l, axis=-2)
+    acc = jnp.sum(w[..., None] * o, axis=-3)
+    return acc / jnp.maximum(l_sum, 1e-30)[..., None], m_max + jnp.log2(l_sum)
   ms = [m[..., i, :] for i in range(m.shape[-2])]
   m_max = functools.reduce(jnp.maximum, ms)
   l_sum = acc = 0.0

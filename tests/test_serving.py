@@ -195,6 +195,7 @@ def test_throughput_scale_trace_reports_family_shares(monkeypatch, capsys):
   with flagsaver.flagsaver(trace=True, profile=False):
     row, = throughput.scale_run(init_random(cfg, dtype=jnp.bfloat16), None, ["none"], 2, 64,
                                 SamplingParams(), "reference")
+  assert row["compile_s"] > 0                         # the chunk compiled in this call
   assert row["trace"]["families_us"]["dense attention"] == 150.0
   assert row["trace"]["families_us"]["GEMMs"] == 40.0
   assert row["trace"]["family_shares"] == {
