@@ -40,6 +40,8 @@ self-drafting strategy (method, gamma, sparsity, tree), or for an NSA model the 
 context bucket and switch between chunks when acceptance stays below the profile's expectation
 (`jaxspec.engine.planner`); it replaces --method, --gamma, --sparsity, --tree, --ssv_class and
 --ssv_group.
+Compiled programs are kept in JAX's persistent compilation cache (--compilation_cache), so a later
+run of the same model, method and shapes skips most of its compile time.
 Bad flags fail with one line before the model loads; Ctrl-C exits with status 130 and one line.
 """
 from __future__ import annotations
@@ -133,6 +135,10 @@ _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for dr
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas criticality scores")
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: shard the model (and the draft model) "
                            "over this many devices, by attention head and MLP column")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", None, "directory of JAX's persistent compilation cache (default: xla/ in "
+    "jaxspec's cache, $JAXSPEC_CACHE or ~/.cache/jaxspec; '' turns it off): a later run of the "
+    "same model, method and shapes loads its compiled loops from it instead of compiling them")
 _FUSE = flags.DEFINE_bool("fuse_projections", True, "run each layer's q/k/v and gate/up "
                           "projections as one GEMM each (the same function in fewer, larger "
                           "kernels: jaxspec.model.transformer.fuse_projections); on one device "
@@ -276,6 +282,22 @@ def check_flags() -> SamplingParams:
   return sampling
 
 
+def use_compilation_cache() -> None:
+  """Point JAX's persistent compilation cache at --compilation_cache (an unusable path fails in
+  one line). JAX stores only compiles of a second or more: the loops and prefills, not the small
+  jits around them."""
+  if _COMPILATION_CACHE.value == "":
+    return
+  import jax
+  from jaxspec.fetch import cache_dir
+  path = Path(_COMPILATION_CACHE.value or cache_dir() / "xla")
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    fail(f"--compilation_cache {path}: cannot use it as a directory ({e.strerror})")
+  jax.config.update("jax_compilation_cache_dir", str(path))
+
+
 def load_planner():
   """The --plan profile's planner (None without --plan); a bad profile fails in one line."""
   if _PLAN.value is None:
@@ -339,6 +361,7 @@ def main(argv):
   sampling = check_flags()
   planner = load_planner()
   prompts = read_prompts()
+  use_compilation_cache()
   from jaxspec.engine.runner import Runner
   from jaxspec.io.loading import apply_chat_template, check_draft_pair, load_model
   from jaxspec.model.transformer import fuse_projections

@@ -1,5 +1,6 @@
 """`python -m jaxspec.generate` end to end, and its error messages: what the model writes on the
 real SmolLM2 GGUF, the flags' mechanics on a 2-layer random-weight cut of it (`tiny_smollm2_ckpt`)."""
+import os
 import subprocess
 import sys
 
@@ -8,9 +9,9 @@ import pytest
 from subproc import run_module_cases
 
 
-def run_cli(*args, timeout=600):
+def run_cli(*args, timeout=600, env=None):
   return subprocess.run([sys.executable, "-m", "jaxspec.generate", *args], capture_output=True,
-                        text=True, timeout=timeout)
+                        text=True, timeout=timeout, env=env)
 
 
 # What jaxspec.generate imports before it reads its flags.
@@ -74,6 +75,8 @@ BAD_FLAGS = [
     (["--prompt=hi", "--method=vegas", "--min_tokens=-1"], "min_tokens must be a non-negative"),
     (["--prompt= "], "--prompt is empty"),
     (["--max_new_tokens=3"], "give exactly one of --prompt or --prompt_file"),
+    (["--prompt=hi", "--compilation_cache=/dev/null/xla"],
+     "--compilation_cache /dev/null/xla: cannot use it as a directory"),
 ]
 
 
@@ -147,6 +150,28 @@ def test_fused_and_separate_projections_generate_the_same_text(tiny_smollm2_ckpt
   assert fused.returncode == 0, fused.stderr[-2000:]
   assert apart.returncode == 0, apart.stderr[-2000:]
   assert fused.stdout.strip() and fused.stdout == apart.stdout
+
+
+def test_compilation_cache_holds_the_compiled_loops(tiny_smollm2_ckpt, tmp_path):
+  """--compilation_cache: the first run stores its compiled prefill and decode loop there; a second
+  run loads every entry (it writes none) and prints the same text; '' stores nothing, and by
+  default the cache is xla/ in $JAXSPEC_CACHE."""
+  cache = tmp_path / "xla"
+  args = (f"--model={tiny_smollm2_ckpt}", "--max_new_tokens=8", "--prompt=One, two, three, four,")
+  # The tiny model compiles in less than the second JAX needs before it stores a compile.
+  env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAXSPEC_CACHE=str(tmp_path))
+  first = run_cli(*args, env=env)
+  assert first.returncode == 0, first.stderr[-2000:]
+  stored = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+  assert {name.split("-")[0] for name in stored} >= {"jit__prefill", "jit__chunk"}, stored
+  second = run_cli(*args, f"--compilation_cache={cache}", env=env)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert second.stdout == first.stdout
+  assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stored
+  off = run_cli(*args, "--compilation_cache=", env=dict(env, JAXSPEC_CACHE=str(tmp_path / "off")))
+  assert off.returncode == 0, off.stderr[-2000:]
+  assert off.stdout == first.stdout and not (tmp_path / "off").exists()
 
 
 def test_prompt_past_the_model_s_context(tiny_smollm2_ckpt, tmp_path):
