@@ -2,6 +2,7 @@
 import itertools
 import json
 import pathlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,24 @@ def test_acceptance_summary():
 def test_none_is_vanilla(model, prompts, vanilla):
   out, _ = spec(model, prompts, method="none", gamma=3, sparsity=0.1, chunk=64)
   assert out == vanilla
+
+
+def test_a_batch_1_loop_compiles_with_xla_s_triton_gemms(model, prompts, vanilla):
+  """From two sequences up the loop's GEMMs are cuBLAS's; at batch 1 XLA's Triton GEMMs stay (the
+  faster there on an H200: RESULTS.md, thirty-eighth session). The runner compiles each batch's
+  chunk with its own options, and the text does not change (they are ignored on a CPU)."""
+  from jaxspec.engine import runner as runner_lib
+  assert runner_lib.loop_compiler_options(1) == {"xla_disable_hlo_passes": "rematerialization"}
+  assert runner_lib.loop_compiler_options(4) == {"xla_disable_hlo_passes": "rematerialization",
+                                                 "xla_gpu_enable_triton_gemm": False}
+  runner = Runner(model, method="vegas", gamma=3, sparsity=0.15, min_tokens=MIN_TOKENS,
+                  cache_dtype=jnp.float32)
+  one, _ = runner.generate(prompts[:1], max_new_tokens=MAX_NEW)
+  two, _ = runner.generate(prompts[:2], max_new_tokens=MAX_NEW)
+  assert one == vanilla[:1] and two == vanilla[:2]
+  batch = lambda n: types.SimpleNamespace(cache=types.SimpleNamespace(lengths=np.zeros(n)))
+  loops = {runner_lib.chunk_fn(batch(1)), runner_lib.chunk_fn(batch(2))}
+  assert len(loops) == 2 and loops <= {key[0] for key in runner._compiled}
 
 
 def test_stops_ragged_budgets_and_chunks(model, prompts, vanilla):

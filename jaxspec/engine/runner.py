@@ -131,27 +131,46 @@ def _prefill(graphdefs, params, prompts, prompt_lens, max_new, key, *, config, m
   return prefill(target, draft, prompts, prompt_lens, max_new, key, config, max_new_buffer)
 
 
-# The XLA options the decode loop and the phase timers compile with (pass them to a loop jitted
-# by hand as well).
+# The XLA options the decode loop and the phase timers compile with (`loop_compiler_options`; pass
+# them to a loop jitted by hand as well).
 # - No rematerialization: XLA's memory estimate for a decode loop over a large cache exceeds the
 #   device's limit (85.8 GB against 59.6 at the 1.5B's B = 64 x 24K on an H100, a program that runs
 #   without it), and rematerialization then recomputes GEMMs and moves loop-invariant slices of the
 #   selection back into the draft loop: 3% of a vegas round (RESULTS.md, twenty-eighth session).
-# - cuBLAS GEMMs, not XLA's Triton GEMMs: the autotuner times each GEMM alone and picks split-K
-#   Triton GEMMs for a draft step's small projections, whose f32 partials the next fusions then
-#   reduce; cuBLAS adds the bias and the residual itself. 2% off a vegas round at the 1.5B's
-#   B = 128 on an H200 (RESULTS.md, thirty-sixth session). Ignored off the GPU.
+# - cuBLAS GEMMs, not XLA's Triton GEMMs, from two sequences up: the autotuner times each GEMM
+#   alone and picks split-K Triton GEMMs for a draft step's small projections, whose f32 partials
+#   the next fusions then reduce; cuBLAS adds the bias and the residual itself. 2% off a vegas
+#   round at the 1.5B's B = 128 on an H200 (RESULTS.md, thirty-sixth session). At batch 1 XLA's
+#   Triton GEMMs were the faster, by 4% a step and a vegas round of the 1.5B on an H200
+#   (thirty-eighth session), so a batch-1 loop keeps them. Ignored off the GPU.
 LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization",
                          "xla_gpu_enable_triton_gemm": False}
+BATCH1_LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdefs", "config", "steps"),
-                   donate_argnames=("state",), compiler_options=LOOP_COMPILER_OPTIONS)
+def loop_compiler_options(batch: int) -> dict:
+  """The XLA options of a decode loop over `batch` sequences."""
+  return BATCH1_LOOP_COMPILER_OPTIONS if batch == 1 else LOOP_COMPILER_OPTIONS
+
+
 def _chunk(graphdefs, params, state, *, steps, config):
   target, draft = _merge(graphdefs, params)
   if config.speculative:
     return speculative_chunk(target, draft, state, steps, config)
   return decode_chunk(target, state, steps, config)
+
+
+@functools.cache
+def _jitted_chunk(options: tuple) -> Callable:
+  return jax.jit(_chunk, static_argnames=("graphdefs", "config", "steps"),
+                 donate_argnames=("state",), compiler_options=dict(options))
+
+
+def chunk_fn(state) -> Callable:
+  """The jitted chunk of decode steps (vanilla) or rounds for `state`'s batch, compiled with
+  `loop_compiler_options`: (graphdefs, params, state, *, steps, config) -> state."""
+  options = loop_compiler_options(decode_state(state).cache.lengths.shape[0])
+  return _jitted_chunk(tuple(sorted(options.items())))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdefs", "config"), donate_argnames=("state",))
@@ -397,7 +416,7 @@ class Runner:
     """Up to `steps` decode steps (vanilla) or rounds (speculative) on `state` (donated):
     (the new state, seconds spent compiling). `strategy`: a planner's strategy to run them with."""
     capacity = decode_state(state).cache.capacity
-    run, seconds = self._compile(_chunk, self._params, state, steps=steps,
+    run, seconds = self._compile(chunk_fn(state), self._params, state, steps=steps,
                                  config=self.config(capacity, strategy))
     return run(self._params, state), seconds
 
@@ -438,7 +457,7 @@ class Runner:
               lambda info: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=info.sharding),
               compiled.out_info)
       for a, state_a in shapes.items():
-        seconds += self._compile(_chunk, self._params, state_a, steps=steps,
+        seconds += self._compile(chunk_fn(state_a), self._params, state_a, steps=steps,
                                  config=self.config(capacity, a))[1]
         for b in shapes:   # from `strategy` these are cached already: no time
           if b != a:
@@ -551,7 +570,7 @@ class Runner:
     first = int(np.asarray(decode_state(state).num_new).sum())
     if not done:   # compile the chunk (with a planner, every strategy's) before the clock starts
       stats.compile_s += (self.precompile(state, strategy, chunk) if control is not None else
-                          self._compile(_chunk, self._params, state, steps=chunk,
+                          self._compile(chunk_fn(state), self._params, state, steps=chunk,
                                         config=self.config(batch.capacity, strategy))[1])
     t0 = time.perf_counter()
     compiling = 0.0   # anything still compiled inside the loop: not decode time
@@ -849,7 +868,7 @@ class Runner:
     model, on the host while the device waits), which a phase timer would count as phase time."""
     graphdefs = self._graphdefs
 
-    def fns(config):
+    def fns(config, batch):
       def draft(params, state):
         target, draft_model = _merge(graphdefs, params)
         return config.drafter.draft(target, draft_model, state, config)
@@ -858,7 +877,7 @@ class Runner:
         return verify(_merge(graphdefs, params)[0], state, drafts, probs, config)
 
       # Compiled as the loop is, so each phase runs the loop's GEMMs.
-      jit = functools.partial(jax.jit, compiler_options=LOOP_COMPILER_OPTIONS)
+      jit = functools.partial(jax.jit, compiler_options=loop_compiler_options(batch))
       return (jit(draft, donate_argnums=1), jit(check, donate_argnums=1),
               jit(functools.partial(config.drafter.update, config=config), donate_argnums=0))
     return functools.lru_cache(maxsize=4)(fns)
@@ -881,7 +900,8 @@ class Runner:
       raise ValueError("time_phases times speculative phases; method 'none' has none")
     requests.check_count("rounds", rounds)
     requests.check_count("warmup", warmup, 0)
-    draft_fn, verify_fn, update_fn = self._phase_fns(self.config(state.decode.cache.capacity))
+    draft_fn, verify_fn, update_fn = self._phase_fns(self.config(state.decode.cache.capacity),
+                                                     state.decode.cache.lengths.shape[0])
     times = {"draft": 0.0, "verify": 0.0, "select": 0.0}
     hist0 = None
     for r in range(warmup + rounds):
