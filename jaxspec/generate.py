@@ -136,9 +136,10 @@ _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas crit
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: shard the model (and the draft model) "
                            "over this many devices, by attention head and MLP column")
 _COMPILATION_CACHE = flags.DEFINE_string(
-    "compilation_cache", None, "directory of JAX's persistent compilation cache (default: xla/ in "
-    "jaxspec's cache, $JAXSPEC_CACHE or ~/.cache/jaxspec; '' turns it off): a later run of the "
-    "same model, method and shapes loads its compiled loops from it instead of compiling them")
+    "compilation_cache", None, "directory of JAX's persistent compilation cache (default: "
+    "$JAX_COMPILATION_CACHE_DIR if set, else xla/ in jaxspec's cache, $JAXSPEC_CACHE or "
+    "~/.cache/jaxspec; '' turns it off): a later run of the same model, method and shapes loads "
+    "its compiled loops from it instead of compiling them")
 _FUSE = flags.DEFINE_bool("fuse_projections", True, "run each layer's q/k/v and gate/up "
                           "projections as one GEMM each (the same function in fewer, larger "
                           "kernels: jaxspec.model.transformer.fuse_projections); on one device "
@@ -284,11 +285,15 @@ def check_flags() -> SamplingParams:
 
 def use_compilation_cache() -> None:
   """Point JAX's persistent compilation cache at --compilation_cache (an unusable path fails in
-  one line). JAX stores only compiles of a second or more: the loops and prefills, not the small
-  jits around them."""
-  if _COMPILATION_CACHE.value == "":
-    return
+  one line); without the flag, a cache JAX was given ($JAX_COMPILATION_CACHE_DIR) stays. JAX
+  stores only compiles of a second or more: the loops and prefills, not the small jits around
+  them."""
   import jax
+  if _COMPILATION_CACHE.value == "":
+    jax.config.update("jax_compilation_cache_dir", None)
+    return
+  if _COMPILATION_CACHE.value is None and jax.config.jax_compilation_cache_dir:
+    return
   from jaxspec.fetch import cache_dir
   path = Path(_COMPILATION_CACHE.value or cache_dir() / "xla")
   try:

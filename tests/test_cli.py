@@ -153,14 +153,15 @@ def test_fused_and_separate_projections_generate_the_same_text(tiny_smollm2_ckpt
 
 
 def test_compilation_cache_holds_the_compiled_loops(tiny_smollm2_ckpt, tmp_path):
-  """--compilation_cache: the first run stores its compiled prefill and decode loop there; a second
-  run loads every entry (it writes none) and prints the same text; '' stores nothing, and by
-  default the cache is xla/ in $JAXSPEC_CACHE."""
+  """--compilation_cache: the first run stores its compiled prefill and decode loop there (by
+  default xla/ in $JAXSPEC_CACHE); a second run loads every entry (it writes none) and prints the
+  same text. A cache JAX was given ($JAX_COMPILATION_CACHE_DIR) stays the default; '' turns even
+  that off."""
   cache = tmp_path / "xla"
   args = (f"--model={tiny_smollm2_ckpt}", "--max_new_tokens=8", "--prompt=One, two, three, four,")
   # The tiny model compiles in less than the second JAX needs before it stores a compile.
-  env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAXSPEC_CACHE=str(tmp_path))
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAXSPEC_CACHE=str(tmp_path))
   first = run_cli(*args, env=env)
   assert first.returncode == 0, first.stderr[-2000:]
   stored = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
@@ -169,9 +170,15 @@ def test_compilation_cache_holds_the_compiled_loops(tiny_smollm2_ckpt, tmp_path)
   assert second.returncode == 0, second.stderr[-2000:]
   assert second.stdout == first.stdout
   assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stored
-  off = run_cli(*args, "--compilation_cache=", env=dict(env, JAXSPEC_CACHE=str(tmp_path / "off")))
-  assert off.returncode == 0, off.stderr[-2000:]
-  assert off.stdout == first.stdout and not (tmp_path / "off").exists()
+  elsewhere = dict(env, JAXSPEC_CACHE=str(tmp_path / "unused"),
+                   JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax"))
+  given = run_cli(*args, env=elsewhere)
+  off = run_cli(*args, "--compilation_cache=",
+                env=dict(elsewhere, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "off")))
+  assert given.returncode == 0 and off.returncode == 0, given.stderr[-2000:] + off.stderr[-2000:]
+  assert given.stdout == off.stdout == first.stdout
+  assert any((tmp_path / "jax").iterdir())
+  assert not (tmp_path / "unused").exists() and not (tmp_path / "off").exists()
 
 
 def test_prompt_past_the_model_s_context(tiny_smollm2_ckpt, tmp_path):
