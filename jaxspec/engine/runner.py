@@ -145,7 +145,8 @@ def _prefill(graphdefs, params, prompts, prompt_lens, max_new, key, *, config, m
 #   (thirty-eighth session), so a batch-1 loop keeps them. Ignored off the GPU.
 LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization",
                          "xla_gpu_enable_triton_gemm": False}
-BATCH1_LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+BATCH1_LOOP_COMPILER_OPTIONS = {k: v for k, v in LOOP_COMPILER_OPTIONS.items()
+                                if k != "xla_gpu_enable_triton_gemm"}
 
 
 def loop_compiler_options(batch: int) -> dict:
