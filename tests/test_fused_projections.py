@@ -1,6 +1,6 @@
 """fuse_projections: q/k/v and gate/up as one GEMM each compute the same function, for every
 architecture feature that touches them (Qwen2's q/k/v biases, Qwen3's q/k norms, NSA layers), and
-the engine decodes the same tokens with them."""
+the engine decodes the same tokens with them; a one-row projection runs as a two-row GEMM."""
 import dataclasses
 
 import jax
@@ -13,7 +13,7 @@ from jaxspec.engine.runner import generate
 from jaxspec.model.attention import NSA, Dense, Prefill, ScoreSpec, Sparse
 from jaxspec.model.config import ModelConfig, NSAConfig
 from jaxspec.model.kv_cache import KVCache
-from jaxspec.model.transformer import fuse_projections, init_random
+from jaxspec.model.transformer import _project, fuse_projections, init_random
 
 QWEN3 = ModelConfig(arch="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1000.0,
@@ -51,6 +51,18 @@ def test_fused_model_computes_the_same_forward(cfg, plan):
   width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   assert params["self_attn"]["qkv_proj"]["kernel"].shape == (cfg.hidden_size, width)
   assert ("bias" in params["self_attn"]["qkv_proj"]) == cfg.qkv_bias
+
+
+def test_a_one_row_projection_runs_as_two_rows():
+  """XLA's GPU compiler would run a one-row product as an elementwise product and a reduction;
+  `_project` gives the GEMM two rows and returns the first: linear(x)'s values and shape."""
+  lin = nnx.Linear(8, 5, use_bias=True, rngs=nnx.Rngs(0))
+  for shape in [(1, 1, 8), (1, 8), (2, 1, 8), (1, 3, 8)]:
+    x = jax.random.normal(jax.random.PRNGKey(shape[-2]), shape)
+    np.testing.assert_allclose(_project(lin, x), lin(x), rtol=1e-6, atol=1e-6)
+    assert _project(lin, x).shape == shape[:-1] + (5,)
+  one_row = jax.jit(lambda x: _project(lin, x)).lower(jnp.ones((1, 1, 8))).as_text()
+  assert "dot_general" in one_row and "tensor<1x2x8xf32>" in one_row
 
 
 CALLS = {   # plan, T new tokens, whether `rope_write` runs

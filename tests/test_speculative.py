@@ -113,14 +113,15 @@ def test_none_is_vanilla(model, prompts, vanilla):
   assert out == vanilla
 
 
-def test_a_batch_1_loop_compiles_with_xla_s_triton_gemms(model, prompts, vanilla):
-  """From two sequences up the loop's GEMMs are cuBLAS's; at batch 1 XLA's Triton GEMMs stay (the
-  faster there on an H200: RESULTS.md, thirty-eighth session). The runner compiles each batch's
-  chunk with its own options, and the text does not change (they are ignored on a CPU)."""
+def test_a_small_batch_loop_compiles_with_xla_s_triton_gemms(model, prompts, vanilla, monkeypatch):
+  """Above SMALL_BATCH sequences the loop's GEMMs are cuBLAS's; up to it XLA's Triton GEMMs stay
+  (the faster there on an H200: RESULTS.md, thirty-ninth session). The runner compiles each
+  batch's chunk with its own options, and the text does not change (they are ignored on a CPU)."""
   from jaxspec.engine import runner as runner_lib
-  assert runner_lib.loop_compiler_options(1) == {"xla_disable_hlo_passes": "rematerialization"}
-  assert runner_lib.loop_compiler_options(4) == {"xla_disable_hlo_passes": "rematerialization",
-                                                 "xla_gpu_enable_triton_gemm": False}
+  small = {"xla_disable_hlo_passes": "rematerialization"}
+  assert runner_lib.loop_compiler_options(1) == runner_lib.loop_compiler_options(16) == small
+  assert runner_lib.loop_compiler_options(17) == {**small, "xla_gpu_enable_triton_gemm": False}
+  monkeypatch.setattr(runner_lib, "SMALL_BATCH", 1)   # two sequences get the large batch's loop
   runner = Runner(model, method="vegas", gamma=3, sparsity=0.15, min_tokens=MIN_TOKENS,
                   cache_dtype=jnp.float32)
   one, _ = runner.generate(prompts[:1], max_new_tokens=MAX_NEW)

@@ -137,21 +137,24 @@ def _prefill(graphdefs, params, prompts, prompt_lens, max_new, key, *, config, m
 #   device's limit (85.8 GB against 59.6 at the 1.5B's B = 64 x 24K on an H100, a program that runs
 #   without it), and rematerialization then recomputes GEMMs and moves loop-invariant slices of the
 #   selection back into the draft loop: 3% of a vegas round (RESULTS.md, twenty-eighth session).
-# - cuBLAS GEMMs, not XLA's Triton GEMMs, from two sequences up: the autotuner times each GEMM
-#   alone and picks split-K Triton GEMMs for a draft step's small projections, whose f32 partials
-#   the next fusions then reduce; cuBLAS adds the bias and the residual itself. 2% off a vegas
-#   round at the 1.5B's B = 128 on an H200 (RESULTS.md, thirty-sixth session). At batch 1 XLA's
-#   Triton GEMMs were the faster, by 4% a step and a vegas round of the 1.5B on an H200
-#   (thirty-eighth session), so a batch-1 loop keeps them. Ignored off the GPU.
+# - cuBLAS GEMMs, not XLA's Triton GEMMs, above SMALL_BATCH sequences: the autotuner times each
+#   GEMM alone and picks split-K Triton GEMMs for a draft step's small projections, whose f32
+#   partials the next fusions then reduce; cuBLAS adds the bias and the residual itself. 2% off a
+#   vegas round at the 1.5B's B = 128 on an H200 (RESULTS.md, thirty-sixth session). Up to
+#   SMALL_BATCH sequences XLA's Triton GEMMs are the faster: on an H200 (the 1.5B's and the
+#   0.5B's shapes, 8K contexts) 1-10% a vanilla step and 1.5-17% a vegas round at batches 1-16,
+#   while at 32 vegas's rounds were 0.4-1.9% faster on cuBLAS (thirty-ninth session). Ignored off
+#   the GPU.
 LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization",
                          "xla_gpu_enable_triton_gemm": False}
-BATCH1_LOOP_COMPILER_OPTIONS = {k: v for k, v in LOOP_COMPILER_OPTIONS.items()
-                                if k != "xla_gpu_enable_triton_gemm"}
+SMALL_BATCH = 16
+SMALL_BATCH_LOOP_COMPILER_OPTIONS = {k: v for k, v in LOOP_COMPILER_OPTIONS.items()
+                                     if k != "xla_gpu_enable_triton_gemm"}
 
 
 def loop_compiler_options(batch: int) -> dict:
   """The XLA options of a decode loop over `batch` sequences."""
-  return BATCH1_LOOP_COMPILER_OPTIONS if batch == 1 else LOOP_COMPILER_OPTIONS
+  return SMALL_BATCH_LOOP_COMPILER_OPTIONS if batch <= SMALL_BATCH else LOOP_COMPILER_OPTIONS
 
 
 def _chunk(graphdefs, params, state, *, steps, config):
