@@ -269,7 +269,15 @@ class Transformer(nnx.Module):
 
   def logits(self, hidden: jax.Array, dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
     """LM head: [..., H] -> [..., vocab] in `dtype`; None keeps the head's own (the model's
-    dtype) and saves the pass that would convert every row."""
+    dtype) and saves the pass that would convert every row. On CPU a single row runs as two, as
+    in `_project`: XLA:CPU turns a one-row product into an elementwise product and a reduction
+    in a loop of its own code, not a library GEMM (SmolLM2's head took 70 ms a call at the
+    tests' optimisation level). XLA:GPU keeps a head this large a GEMM, and two rows there made
+    the 0.5B's batch-1 step 9% slower on an H200 (RESULTS.md, fortieth session)."""
+    if math.prod(hidden.shape[:-1]) == 1 and jax.default_backend() == "cpu":
+      row = hidden.reshape(1, -1)
+      out = self.logits(jnp.concatenate([row, row]), dtype)[:1]
+      return out.reshape(*hidden.shape[:-1], out.shape[-1])
     if self.cfg.tie_word_embeddings:
       out = self.embed_tokens.attend(hidden)
     else:
