@@ -57,15 +57,17 @@ def _linear(cfg_in, cfg_out, bias, dtype, param_dtype, rngs):
 
 
 def _project(linear: nnx.Linear, x: jax.Array) -> jax.Array:
-  """linear(x) for x [..., T, in]. A single row runs as two: XLA's GPU compiler turns a one-row
-  product of fewer than 10M weights into an elementwise product and a reduction instead of a GEMM
-  (its DotStrengthReduction pass), and at some shapes keeps the two apart. A batch-1 decode step
-  (H200, 8K context) ran 15% faster with two rows at the 1.5B's shapes (so did a vegas round),
-  12.5% at Qwen3-0.6B's and 2.5% at SmolLM2-135M's, and 8% slower at the 0.5B's, whose fused
-  reductions beat XLA's two-row GEMMs (RESULTS.md, thirty-ninth session). A two-row GEMM reads
-  the weights once, as one row does.
+  """linear(x) for x [..., T, in]. On a GPU a single row runs as two: XLA's GPU compiler turns a
+  one-row product of fewer than 10M weights into an elementwise product and a reduction instead
+  of a GEMM (its DotStrengthReduction pass), and at some shapes keeps the two apart. A batch-1
+  decode step (H200, 8K context) ran 15% faster with two rows at the 1.5B's shapes (so did a
+  vegas round), 12.5% at Qwen3-0.6B's and 2.5% at SmolLM2-135M's, and 8% slower at the 0.5B's,
+  whose fused reductions beat XLA's two-row GEMMs (RESULTS.md, thirty-ninth session). A two-row
+  GEMM reads the weights once, as one row does. XLA:CPU keeps one row: its two-row bfloat16
+  GEMMs are the slower (the README's quick start decoded 11.7 tokens/s with them, 15.4 without;
+  fortieth session).
   """
-  if math.prod(x.shape[:-1]) != 1:
+  if math.prod(x.shape[:-1]) != 1 or jax.default_backend() == "cpu":
     return linear(x)
   return linear(jnp.concatenate([x, x], axis=-2))[..., :1, :]
 
@@ -269,15 +271,7 @@ class Transformer(nnx.Module):
 
   def logits(self, hidden: jax.Array, dtype: jnp.dtype | None = jnp.float32) -> jax.Array:
     """LM head: [..., H] -> [..., vocab] in `dtype`; None keeps the head's own (the model's
-    dtype) and saves the pass that would convert every row. On CPU a single row runs as two, as
-    in `_project`: XLA:CPU turns a one-row product into an elementwise product and a reduction
-    in a loop of its own code, not a library GEMM (SmolLM2's head took 70 ms a call at the
-    tests' optimisation level). XLA:GPU keeps a head this large a GEMM, and two rows there made
-    the 0.5B's batch-1 step 9% slower on an H200 (RESULTS.md, fortieth session)."""
-    if math.prod(hidden.shape[:-1]) == 1 and jax.default_backend() == "cpu":
-      row = hidden.reshape(1, -1)
-      out = self.logits(jnp.concatenate([row, row]), dtype)[:1]
-      return out.reshape(*hidden.shape[:-1], out.shape[-1])
+    dtype) and saves the pass that would convert every row."""
     if self.cfg.tie_word_embeddings:
       out = self.embed_tokens.attend(hidden)
     else:
