@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -755,3 +756,39 @@ def test_gguf_tokenizer_is_built_once_then_read_from_the_cache(weights_smollm2_g
   rebuilt = gguf_weights.load_tokenizer(weights_smollm2_gguf)
   assert rebuilt.encode("Hello, world!") == built.encode("Hello, world!")
   assert json.loads((cached / "tokenizer.json").read_text())   # replaced by a whole copy
+
+
+def test_a_saved_tokenizer_is_the_one_autotokenizer_builds(weights_smollm2_ckpt, tmp_path):
+  """`load_saved_tokenizer` builds the class tokenizer_config.json names (SmolLM2's converted
+  checkpoint: TokenizersBackend; the Qwen3 folder: Qwen2Tokenizer) and it tokenizes, decodes and
+  templates as AutoTokenizer's; with no class named it is AutoTokenizer's."""
+  from jaxspec.io.weights import load_saved_tokenizer
+  unnamed = tmp_path / "unnamed"
+  shutil.copytree(weights_smollm2_ckpt, unnamed, ignore=shutil.ignore_patterns("params*"))
+  config = json.loads((unnamed / "tokenizer_config.json").read_text())
+  del config["tokenizer_class"]
+  (unnamed / "tokenizer_config.json").write_text(json.dumps(config))
+  chat = [{"role": "user", "content": "What is 2 + 2?"}]
+  text = "<|im_start|>user\ndef f(x):\n    return x  # ünïcode 你好<|im_end|>"
+  for folder, cls in ((weights_smollm2_ckpt, "TokenizersBackend"), (QWEN3_DIR, "Qwen2Tokenizer"),
+                      (unnamed, "TokenizersBackend")):
+    ours, auto = load_saved_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(auto) and type(ours).__name__ == cls
+    assert ours.encode(text) == auto.encode(text) and len(ours.encode(text)) > 5
+    assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert ((ours.bos_token_id, ours.eos_token_id, ours.pad_token_id)
+            == (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id))
+
+
+def test_a_checkpoint_loads_without_importing_torch(tiny_smollm2_ckpt):
+  """Loading a checkpoint with its tokenizer leaves torch unimported: importing it (through
+  AutoTokenizer) took about 6 s of every `jaxspec.generate`'s start on this 2-core machine."""
+  code = ("import sys; from jaxspec.io.loading import load_model; "
+          f"m = load_model({str(tiny_smollm2_ckpt)!r}); "
+          "print(m.tokenizer.encode('Hello'), 'torch' in sys.modules)")
+  res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0, res.stderr[-3000:]
+  ids, torch_imported = res.stdout.strip().rsplit(" ", 1)
+  assert json.loads(ids) and torch_imported == "False", res.stdout

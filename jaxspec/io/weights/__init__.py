@@ -8,9 +8,10 @@ while checking that every parameter is there with the right shape and nothing el
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,9 @@ from jax.sharding import Mesh
 from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import Transformer, abstract_model
+
+if TYPE_CHECKING:
+  from transformers import PreTrainedTokenizerBase
 
 CONFIG_FILE = "jaxspec_config.json"   # marks an orbax checkpoint written by jaxspec.convert
 PARAMS_DIR = "params"                 # the orbax item inside such a checkpoint
@@ -133,6 +137,20 @@ def nested(params: Mapping[str, Any]) -> dict[str, Any]:
 def flat(tree: Mapping[str, Any]) -> dict[str, Any]:
   """Nested dict -> flat {path: leaf}; inverse of `nested`."""
   return {path_str(p): v for p, v in _flatten(tree).items()}
+
+
+def load_saved_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+  """The tokenizer saved in folder `path` (`save_pretrained`'s files, or a HF model's), built by
+  the class its tokenizer_config.json names, as AutoTokenizer would choose. AutoTokenizer itself
+  imports transformers' model configuration code and with it torch, about 6 s of a process's
+  start on a 2-core machine; it stays the fallback when the class is not named or not found."""
+  import transformers
+  try:
+    name = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    tokenizer_class = getattr(transformers, name)
+  except Exception:   # no config, no class named, or one this transformers lacks
+    tokenizer_class = transformers.AutoTokenizer
+  return tokenizer_class.from_pretrained(str(path))
 
 
 def build_model(cfg: ModelConfig, params: Mapping[str, Any], *, dtype=jnp.bfloat16,

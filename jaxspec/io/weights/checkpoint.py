@@ -42,7 +42,7 @@ from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import Transformer
 from jaxspec.io.weights import (CONFIG_FILE, PARAMS_DIR, WeightsError, abstract_params, build_model,
-                             check_params, flat, nested)
+                             check_params, flat, load_saved_tokenizer, nested)
 
 PARAMS_FILES = "params_files.json"
 
@@ -298,8 +298,7 @@ def _check_stored_shapes(ckptr: ocp.StandardCheckpointer, params_dir: Path, cfg:
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
   """The tokenizer saved in the checkpoint, or None when it was converted without one."""
-  from transformers import AutoTokenizer
   path = Path(path)
   if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
     return None
-  return AutoTokenizer.from_pretrained(str(path))
+  return load_saved_tokenizer(path)

@@ -32,7 +32,7 @@ from jaxspec.model import sharding
 from jaxspec.model.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxspec.model.transformer import Transformer
 from jaxspec.model.rope import inverse_frequencies
-from jaxspec.io.weights import ParamDict, WeightsError, build_model
+from jaxspec.io.weights import ParamDict, WeightsError, build_model, load_saved_tokenizer
 
 if TYPE_CHECKING:
   from transformers import PreTrainedTokenizerBase
@@ -281,16 +281,16 @@ def load_tokenizer(path: str | Path, arch: str | None = None) -> PreTrainedToken
   151K-token vocabulary); the tokenizer is the same. For other architectures that pass stays, so
   the tokenizer is also saved under the cache ($JAXSPEC_CACHE, else ~/.cache/jaxspec), keyed by
   the file's path, size and modification time, and later loads read that copy."""
-  from transformers import AutoTokenizer
-  from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
   path = Path(path)
   cached = tokenizer_cache_path(path) if path.is_file() else None
   if cached is not None and cached.is_dir():
     try:
-      return AutoTokenizer.from_pretrained(str(cached))
+      return load_saved_tokenizer(cached)
     except Exception:   # a damaged copy: build from the GGUF again below, and replace it
       shutil.rmtree(cached, ignore_errors=True)
   require_torch(path)
+  from transformers import AutoTokenizer
+  from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
   try:
     typed = dict(tokenizer_type=arch) if arch in TOKENIZER_MAPPING_NAMES else {}
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **typed)

@@ -24,7 +24,7 @@ from jaxspec.model import sharding
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.nsaify import fla_nsa_defaults
 from jaxspec.model.transformer import Transformer
-from jaxspec.io.weights import ParamDict, WeightsError, build_model
+from jaxspec.io.weights import ParamDict, WeightsError, build_model, load_saved_tokenizer
 
 if TYPE_CHECKING:
   from transformers import PreTrainedTokenizerBase
@@ -176,10 +176,9 @@ def has_tokenizer(path: str | Path) -> bool:
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
   """The HF tokenizer saved beside the weights, or None when the directory has none."""
-  from transformers import AutoTokenizer
   if not has_tokenizer(path):
     return None
-  return AutoTokenizer.from_pretrained(str(path))
+  return load_saved_tokenizer(path)
 
 
 def load(path: str | Path, *, dtype=jnp.bfloat16, progress: bool = False,
