@@ -784,11 +784,16 @@ def test_a_saved_tokenizer_is_the_one_autotokenizer_builds(weights_smollm2_ckpt,
 
 def test_a_checkpoint_loads_without_importing_torch(tiny_smollm2_ckpt):
   """Loading a checkpoint with its tokenizer leaves torch unimported: importing it (through
-  AutoTokenizer) took about 6 s of every `jaxspec.generate`'s start on this 2-core machine."""
-  code = ("import sys; from jaxspec.io.loading import load_model; "
+  AutoTokenizer) took about 6 s of every `jaxspec.generate`'s start on this 2-core machine.
+  Skipped where the tokenizer class itself imports torch (transformers 5.17 does)."""
+  code = ("import sys; from transformers import TokenizersBackend; "
+          "print('torch' in sys.modules); from jaxspec.io.loading import load_model; "
           f"m = load_model({str(tiny_smollm2_ckpt)!r}); "
           "print(m.tokenizer.encode('Hello'), 'torch' in sys.modules)")
   res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert res.returncode == 0, res.stderr[-3000:]
-  ids, torch_imported = res.stdout.strip().rsplit(" ", 1)
+  by_the_class, loaded = res.stdout.strip().splitlines()[-2:]
+  if by_the_class == "True":
+    pytest.skip(f"transformers {transformers.__version__}'s tokenizer classes import torch")
+  ids, torch_imported = loaded.rsplit(" ", 1)
   assert json.loads(ids) and torch_imported == "False", res.stdout

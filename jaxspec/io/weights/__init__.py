@@ -143,7 +143,8 @@ def load_saved_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
   """The tokenizer saved in folder `path` (`save_pretrained`'s files, or a HF model's), built by
   the class its tokenizer_config.json names, as AutoTokenizer would choose. AutoTokenizer itself
   imports transformers' model configuration code and with it torch, about 6 s of a process's
-  start on a 2-core machine; it stays the fallback when the class is not named or not found."""
+  start on a 2-core machine (transformers 5.24; in 5.17 the tokenizer classes import torch
+  too); it stays the fallback when the class is not named or not found."""
   import transformers
   try:
     name = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
