@@ -19,7 +19,6 @@ from jaxspec.model.transformer import init_random
 from jaxspec.engine.sampling import SamplingParams, probabilities
 from jaxspec.engine.runner import Runner, generate
 from jaxspec.engine.speculative import acceptance_summary
-from jaxspec.engine.state import SpecState
 
 METHODS = ("none", *selection.SELF_DRAFTING)
 
@@ -115,28 +114,22 @@ def test_none_is_vanilla(model, prompts, vanilla):
 
 
 def test_a_small_batch_loop_compiles_with_xla_s_triton_gemms(model, prompts, vanilla, monkeypatch):
-  """Above SMALL_BATCH sequences a speculative loop's GEMMs are cuBLAS's; up to it, and in a
-  vanilla loop at every batch, XLA's Triton GEMMs stay (the faster there on an H200: RESULTS.md,
-  thirty-ninth and forty-first sessions). The runner compiles each batch's chunk with its own
-  options, and the text does not change (they are ignored on a CPU)."""
+  """Above SMALL_BATCH sequences the loop's GEMMs are cuBLAS's; up to it XLA's Triton GEMMs stay
+  (the faster there on an H200: RESULTS.md, thirty-ninth session). The runner compiles each
+  batch's chunk with its own options, and the text does not change (they are ignored on a CPU)."""
   from jaxspec.engine import runner as runner_lib
-  xla = {"xla_disable_hlo_passes": "rematerialization"}
-  cublas = {**xla, "xla_gpu_enable_triton_gemm": False}
-  for batch in (1, 16, 17, 128):
-    assert runner_lib.loop_compiler_options(batch, speculative=False) == xla
-    assert runner_lib.loop_compiler_options(batch, speculative=True) == (
-        xla if batch <= 16 else cublas)
+  small = {"xla_disable_hlo_passes": "rematerialization"}
+  assert runner_lib.loop_compiler_options(1) == runner_lib.loop_compiler_options(16) == small
+  assert runner_lib.loop_compiler_options(17) == {**small, "xla_gpu_enable_triton_gemm": False}
   monkeypatch.setattr(runner_lib, "SMALL_BATCH", 1)   # two sequences get the large batch's loop
   runner = Runner(model, method="vegas", gamma=3, sparsity=0.15, min_tokens=MIN_TOKENS,
                   cache_dtype=jnp.float32)
   one, _ = runner.generate(prompts[:1], max_new_tokens=MAX_NEW)
   two, _ = runner.generate(prompts[:2], max_new_tokens=MAX_NEW)
   assert one == vanilla[:1] and two == vanilla[:2]
-  decode = lambda n: types.SimpleNamespace(cache=types.SimpleNamespace(lengths=np.zeros(n)))
-  spec = lambda n: SpecState(decode=decode(n), drafter=None, accept_hist=None, rounds=None)
-  loops = {runner_lib.chunk_fn(spec(1)), runner_lib.chunk_fn(spec(2))}
+  batch = lambda n: types.SimpleNamespace(cache=types.SimpleNamespace(lengths=np.zeros(n)))
+  loops = {runner_lib.chunk_fn(batch(1)), runner_lib.chunk_fn(batch(2))}
   assert len(loops) == 2 and loops <= {key[0] for key in runner._compiled}
-  assert runner_lib.chunk_fn(decode(2)) is runner_lib.chunk_fn(spec(1))   # vanilla: XLA's GEMMs
 
 
 def test_stops_ragged_budgets_and_chunks(model, prompts, vanilla):

@@ -137,24 +137,24 @@ def _prefill(graphdefs, params, prompts, prompt_lens, max_new, key, *, config, m
 #   device's limit (85.8 GB against 59.6 at the 1.5B's B = 64 x 24K on an H100, a program that runs
 #   without it), and rematerialization then recomputes GEMMs and moves loop-invariant slices of the
 #   selection back into the draft loop: 3% of a vegas round (RESULTS.md, twenty-eighth session).
-# - A speculative loop over more than SMALL_BATCH sequences runs its GEMMs on cuBLAS, not XLA's
-#   Triton GEMMs: the autotuner times each GEMM alone and picks split-K Triton GEMMs for a draft
-#   step's small projections, whose f32 partials the next fusions then reduce; cuBLAS adds the
-#   bias and the residual itself. 2% off a vegas round at the 1.5B's B = 128 on an H200
-#   (thirty-sixth session); at 32 sequences 0.4-1.9% (thirty-ninth). Up to SMALL_BATCH sequences
-#   XLA's GEMMs are the faster: on an H200 1.5-17% a vegas round (thirty-ninth). A vanilla loop
-#   keeps XLA's GEMMs at every batch: on an H200 its step was 1-10% faster with them at batches
-#   1-16 (thirty-ninth) and 1.0-7.5% at 64 and 128 (both sizes, 16K-32K; forty-first session).
-#   Ignored off the GPU.
-LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
-CUBLAS_LOOP_COMPILER_OPTIONS = {**LOOP_COMPILER_OPTIONS, "xla_gpu_enable_triton_gemm": False}
+# - cuBLAS GEMMs, not XLA's Triton GEMMs, above SMALL_BATCH sequences: the autotuner times each
+#   GEMM alone and picks split-K Triton GEMMs for a draft step's small projections, whose f32
+#   partials the next fusions then reduce; cuBLAS adds the bias and the residual itself. 2% off a
+#   vegas round at the 1.5B's B = 128 on an H200 (RESULTS.md, thirty-sixth session). Up to
+#   SMALL_BATCH sequences XLA's Triton GEMMs are the faster: on an H200 (the 1.5B's and the
+#   0.5B's shapes, 8K contexts) 1-10% a vanilla step and 1.5-17% a vegas round at batches 1-16,
+#   while at 32 vegas's rounds were 0.4-1.9% faster on cuBLAS (thirty-ninth session). Ignored off
+#   the GPU.
+LOOP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "rematerialization",
+                         "xla_gpu_enable_triton_gemm": False}
 SMALL_BATCH = 16
+SMALL_BATCH_LOOP_COMPILER_OPTIONS = {k: v for k, v in LOOP_COMPILER_OPTIONS.items()
+                                     if k != "xla_gpu_enable_triton_gemm"}
 
 
-def loop_compiler_options(batch: int, speculative: bool) -> dict:
-  """The XLA options of a decode loop over `batch` sequences, speculative or vanilla."""
-  cublas = speculative and batch > SMALL_BATCH
-  return CUBLAS_LOOP_COMPILER_OPTIONS if cublas else LOOP_COMPILER_OPTIONS
+def loop_compiler_options(batch: int) -> dict:
+  """The XLA options of a decode loop over `batch` sequences."""
+  return SMALL_BATCH_LOOP_COMPILER_OPTIONS if batch <= SMALL_BATCH else LOOP_COMPILER_OPTIONS
 
 
 def _chunk(graphdefs, params, state, *, steps, config):
@@ -173,8 +173,7 @@ def _jitted_chunk(options: tuple) -> Callable:
 def chunk_fn(state) -> Callable:
   """The jitted chunk of decode steps (vanilla) or rounds for `state`'s batch, compiled with
   `loop_compiler_options`: (graphdefs, params, state, *, steps, config) -> state."""
-  options = loop_compiler_options(decode_state(state).cache.lengths.shape[0],
-                                  speculative=isinstance(state, SpecState))
+  options = loop_compiler_options(decode_state(state).cache.lengths.shape[0])
   return _jitted_chunk(tuple(sorted(options.items())))
 
 
@@ -882,8 +881,7 @@ class Runner:
         return verify(_merge(graphdefs, params)[0], state, drafts, probs, config)
 
       # Compiled as the loop is, so each phase runs the loop's GEMMs.
-      jit = functools.partial(jax.jit, compiler_options=loop_compiler_options(batch,
-                                                                              speculative=True))
+      jit = functools.partial(jax.jit, compiler_options=loop_compiler_options(batch))
       return (jit(draft, donate_argnums=1), jit(check, donate_argnums=1),
               jit(functools.partial(config.drafter.update, config=config), donate_argnums=0))
     return functools.lru_cache(maxsize=4)(fns)
