@@ -21,13 +21,14 @@ from benchmarks.common import (copy_ceiling, device_name, error_text, filled_sta
                                load, time_fn, write_json)
 from jaxspec import cli
 from jaxspec.model.attention import default_backend
-from jaxspec.engine.runner import Runner
+from jaxspec.engine.runner import VANILLA_CHUNK, Runner
 
 _MODEL = flags.DEFINE_string("model", "random:qwen2.5-coder-0.5b",
                              "random:<shape> (see benchmarks/common.py SHAPES) or a jaxspec model spec")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "16", "64"], "batch sizes")
 _CONTEXTS = flags.DEFINE_list("contexts", ["4096", "16384", "32768"], "tokens already in the cache")
-_STEPS = flags.DEFINE_integer("steps", 32, "decode steps per timed call")
+_STEPS = flags.DEFINE_integer("steps", VANILLA_CHUNK, "decode steps per timed call (default: "
+                              "jaxspec.generate's vanilla chunk)")
 _REPS = flags.DEFINE_integer("reps", 5, "timed calls (median)")
 _BACKEND = flags.DEFINE_string("backend", None, "attention backend (default: pallas on GPU)")
 _OUT = flags.DEFINE_string("out", "benchmarks/out/decode.json", "JSON results")

@@ -51,7 +51,9 @@ def pytest_configure(config):
     # SmolLM2 generate per CLI test, the same tiny models across files), and a hit skips XLA:CPU's
     # compile. Every compile is stored, not only those over JAX's default second: most of the
     # suite's 6500 compiles are small ones that each file repeats after its caches are dropped
-    # (below), and reading them back took 5-6% off a run of eight files. Removed when the run ends.
+    # (below). Reading them back took 5.6% off eight engine and kernel files, and five
+    # command-line files ran 2% slower, inside their spread (RESULTS.md, forty-second session).
+    # Removed when the run ends.
     config.xla_cache = tempfile.mkdtemp(prefix="jaxspec-tests-xla-")
     os.environ[_XLA_CACHE_ENV] = config.xla_cache
     import jax   # already imported here (by jaxspec): the environment is read at import

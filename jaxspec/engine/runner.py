@@ -152,6 +152,15 @@ SMALL_BATCH_LOOP_COMPILER_OPTIONS = {k: v for k, v in LOOP_COMPILER_OPTIONS.item
                                      if k != "xla_gpu_enable_triton_gemm"}
 
 
+# `generate`'s steps (vanilla) or rounds (speculative) per compiled call. A call costs 2.5-3.7 ms
+# on an H200 besides its steps (the 0.5B at B = 64; at the 1.5B's shapes half of a call's cost
+# was XLA updating its command buffers' addresses), 0.04-0.06 ms a step at 64 steps a call
+# (RESULTS.md, forty-second session). Longer calls would space out the streaming callback
+# (`on_chunk`) further; a call ends early once every sequence is done.
+VANILLA_CHUNK = 64
+SPECULATIVE_CHUNK = 16
+
+
 def loop_compiler_options(batch: int) -> dict:
   """The XLA options of a decode loop over `batch` sequences."""
   return SMALL_BATCH_LOOP_COMPILER_OPTIONS if batch <= SMALL_BATCH else LOOP_COMPILER_OPTIONS
@@ -550,7 +559,7 @@ class Runner:
     shared), switched between chunks.
     """
     if chunk is None:
-      chunk = 16 if self.speculative else 64
+      chunk = SPECULATIVE_CHUNK if self.speculative else VANILLA_CHUNK
     chunk = requests.check_count("chunk", chunk)
     stats = GenerationStats()
     control = strategy = None
