@@ -154,7 +154,7 @@ SMALL_BATCH_LOOP_COMPILER_OPTIONS = {k: v for k, v in LOOP_COMPILER_OPTIONS.item
 
 # `generate`'s steps (vanilla) or rounds (speculative) per compiled call. A call costs 2.5-3.7 ms
 # on an H200 besides its steps (the 0.5B at B = 64; at the 1.5B's shapes half of a call's cost
-# was XLA updating its command buffers' addresses), 0.04-0.06 ms a step at 64 steps a call
+# went with XLA's command buffers), 0.04-0.06 ms a step at 64 steps a call
 # (RESULTS.md, forty-second session). Longer calls would space out the streaming callback
 # (`on_chunk`) further; a call ends early once every sequence is done.
 VANILLA_CHUNK = 64
