@@ -58,7 +58,8 @@ def pytest_configure(config):
     os.environ[_XLA_CACHE_ENV] = config.xla_cache
     import jax   # already imported here (by jaxspec): the environment is read at import
     jax.config.update("jax_compilation_cache_dir", config.xla_cache)
-    if _MIN_COMPILE_ENV not in os.environ:
+    config.sets_min_compile = _MIN_COMPILE_ENV not in os.environ
+    if config.sets_min_compile:
       os.environ[_MIN_COMPILE_ENV] = "0"
       jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   if hasattr(config, "workerinput"):
@@ -74,7 +75,7 @@ def pytest_unconfigure(config):
   if cache is not None:
     shutil.rmtree(cache, ignore_errors=True)
     os.environ.pop(_XLA_CACHE_ENV, None)
-    if os.environ.get(_MIN_COMPILE_ENV) == "0":
+    if config.sets_min_compile:
       os.environ.pop(_MIN_COMPILE_ENV, None)
 
 
