@@ -34,16 +34,16 @@ requests in the same window, so rows are compared on the requests every row fini
 many): a lossless method's matched share equals vanilla's within noise.
 
 For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
-boundary (every --chunk_rounds rounds) its slot is refilled with the next request (prefill of one
-prompt, padded to one of --prompt_buckets lengths per power of two, +
-`jaxspec.engine.batching.insert_slot`); with --stagger (default) the first B requests have
-staggered lengths, so finishes and refills spread evenly from the start. After --warmup_s seconds
-the harness counts, over --measure_s seconds, the tokens produced and the wall time (refill prefills
-included, as a serving engine's throughput counter would; decode-only throughput is reported too,
-and the refills' share of the window and milliseconds each),
-the mean accepted tokens per round, and (--profile) the drafting / verification / selection time
-shares (`Runner.time_phases`) over a few rounds of the serving batch as it stands at the end of
-the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its
+boundary (every --chunk_rounds rounds; `none=32,default=8` gives vanilla calls of its own length)
+its slot is refilled with the next request (prefill of one prompt, padded to one of
+--prompt_buckets lengths per power of two, + `jaxspec.engine.batching.insert_slot`); with
+--stagger (default) the first B requests have staggered lengths, so finishes and refills spread
+evenly from the start. After --warmup_s seconds the harness counts, over --measure_s seconds, the
+tokens produced and the wall time (refill prefills included, as a serving engine's throughput
+counter would; decode-only throughput is reported too, and the refills' share of the window and
+milliseconds each), the mean accepted tokens per round, and (--profile) the drafting /
+verification / selection time shares (`Runner.time_phases`) over a few rounds of the serving batch
+as it stands at the end of the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its
 own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
 (gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer); method
 `specattn` too, and verifies over the draft's top-p attention sets (`specattn@0.95` keeps 0.95 of
@@ -144,7 +144,8 @@ _CONTEXT = flags.DEFINE_integer("context", 131072, "scale workload: tokens in th
 _REQUESTS = flags.DEFINE_integer("num_requests", 512, "requests in the stream (cycled data)")
 _WARMUP = flags.DEFINE_float("warmup_s", 20.0, "seconds before measuring (compile excluded)")
 _MEASURE = flags.DEFINE_float("measure_s", 40.0, "seconds measured per method")
-_CHUNK = flags.DEFINE_integer("chunk_rounds", 8, "rounds (or steps) per compiled call")
+_CHUNK = flags.DEFINE_list("chunk_rounds", ["8"], "rounds (or steps) per compiled call: N for "
+                           "every method, or method=N entries and default=N (none=32,default=8)")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "sampling (the paper's Qwen3 settings)")
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "")
 _TOP_K = flags.DEFINE_integer("top_k", 20, "")
@@ -206,6 +207,25 @@ def parse_entry(entry: str) -> tuple[str, float, int]:
     return method, _SPARSITY.value, int(gamma)
   default = {"specattn": _TOP_P_ATTN.value, "sts": _STS_BUDGET.value}.get(method, _SPARSITY.value)
   return method, float(ratio) if ratio else default, int(gamma)
+
+
+def chunk_rounds(entry: str) -> int:
+  """A --methods entry's rounds (or steps) per compiled call from --chunk_rounds: the entry itself,
+  then its method, then 'default' (a bare N). Each method is best at its own length: a call costs
+  a few ms besides its steps, and a finished slot waits for its call's end to be refilled (on
+  workload (a), RESULTS.md forty-third session: vanilla decodes 4% faster at 32 steps a call than
+  at 8, vegas 9% slower at 32 rounds than at 8). One-line ValueError on a bad value."""
+  table = {}
+  for item in _CHUNK.value:
+    key, _, value = item.rpartition("=")
+    try:
+      table[key or "default"] = int(value)
+    except ValueError:
+      raise ValueError(f"--chunk_rounds: {item!r} is not N or method=N") from None
+    if table[key or "default"] < 1:
+      raise ValueError(f"--chunk_rounds: {item!r}: a call runs at least one round")
+  method = entry_tree(entry)[0].partition(":")[0].partition("@")[0]
+  return table.get(entry, table.get(method, table.get("default", 8)))
 
 
 def entry_tree(entry: str) -> tuple[str, tuple[int, ...] | None]:
@@ -478,6 +498,8 @@ def main(argv):
   try:
     make_mesh(_TP.value)   # too few devices: one line before anything loads
     check_prompt_buckets(_PROMPT_BUCKETS.value)
+    for entry in _METHODS.value:
+      chunk_rounds(entry)
   except ValueError as e:
     cli.fail(prog, str(e))
   planner = None
@@ -550,10 +572,11 @@ def main(argv):
         ratio = parse_entry(entry)[1]
         runner = make_runner(loaded.model, draft_model, entry, sampling, stop_ids, backend)
       row, state = runner.serve(prompts, _BATCH.value, max_new, max_len=capacity_len,
-                                chunk=_CHUNK.value, warmup_s=_WARMUP.value,
+                                chunk=chunk_rounds(entry), warmup_s=_WARMUP.value,
                                 measure_s=_MEASURE.value, seed=_SEED.value, stagger=_STAGGER.value,
                                 on_finish=outputs.__setitem__, disaggregate=_DISAGGREGATE.value)
-      row.update(method=entry, label=eos_label(entry, ignore_eos), sparsity=ratio)
+      row.update(method=entry, label=eos_label(entry, ignore_eos), sparsity=ratio,
+                 chunk_rounds=chunk_rounds(entry))
       if not _DISAGGREGATE.value and (row.get("idle_slot_share") or 0) > 0.01:
         # Without --disaggregate a slot idles only when the stream has run out, and idle slots
         # still ride along in every step: faster methods run dry sooner and look slower.

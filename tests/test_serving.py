@@ -230,6 +230,16 @@ def test_throughput_method_entries():
     assert throughput.entry_tree("vegas") == ("vegas", (2, 1))
     assert throughput.entry_tree("vegas/3") == ("vegas", (3,))
     assert throughput.entry_tree("none") == ("none", None)
+  # --chunk_rounds: a bare N for every method, or per entry, then method, then default.
+  with flagsaver.flagsaver(chunk_rounds=["8"]):
+    assert throughput.chunk_rounds("none") == throughput.chunk_rounds("vegas:6") == 8
+  with flagsaver.flagsaver(chunk_rounds=["none=32", "vegas:8=4", "default=16"]):
+    assert throughput.chunk_rounds("none") == 32
+    assert throughput.chunk_rounds("vegas:8") == 4
+    assert throughput.chunk_rounds("vegas@0.05:6") == 16
+  for bad in (["none=x"], ["0"]):
+    with flagsaver.flagsaver(chunk_rounds=bad), pytest.raises(ValueError, match="--chunk_rounds"):
+      throughput.chunk_rounds("none")
 
 
 def test_insert_slot_refuses_a_batch_one_state():

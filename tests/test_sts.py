@@ -3,6 +3,7 @@ independently (one target token per step, numpy masks); the mask builder against
 references (tokens, pages; pages of one token are tokens); per-head scores of the kernel; bad
 input."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -169,9 +170,13 @@ def all_layer_weights(spec):
 def sts_plan(spec):
   """A round's plan from every draft layer's rows [gamma, Ld, Hd, S] (`all_layer_weights`): the
   engine's selection over the mapped layers' rows, checked against the numpy reference."""
+  # One program for the selection: run op by op it compiled some 60-170 small programs a test.
+  @functools.partial(jax.jit, static_argnums=2)
+  def select(rows, n, cap):
+    return sts.head_union(rows[:, jnp.asarray(spec.score_layers)][:, :, None], n, spec, cap)
+
   def plan(rows, n, cap):
-    mapped = rows[:, jnp.asarray(spec.score_layers)][:, :, None]
-    idx, cnt = sts.head_union(mapped, jnp.asarray([n]), spec, cap)
+    idx, cnt = select(rows, jnp.asarray([n]), cap)
     ref = (token_reference if spec.block == 1 else block_reference)(np.asarray(rows), n, spec)
     assert as_dict(idx, cnt, 0) == ref   # the plan below is the reference's
     return LayerMapped(indices=idx, counts=cnt, tail_start=jnp.asarray([n]),

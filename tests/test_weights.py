@@ -675,7 +675,24 @@ def test_fetch_assembles_parts_in_order(tmp_path, monkeypatch):
   _, data = fake_demo(monkeypatch, tmp_path, [b"first" * 1000, b"second" * 700, b"third"])
   path = fetch.download_gguf("fake", progress=False)
   assert path.read_bytes() == data
-  assert [p.name for p in (tmp_path / "cache").iterdir()] == ["fake.gguf"]
+  assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["fake.gguf",
+                                                                    "fake.gguf.verified"]
+
+
+def test_fetch_trusts_its_stamp_until_the_file_changes(tmp_path, monkeypatch, capsys):
+  """A cached file whose size and mtime are those it was hashed at is not hashed again; one
+  written since (same size, new bytes) is hashed, found wrong and fetched again."""
+  _, data = fake_demo(monkeypatch, tmp_path, [b"first" * 1000, b"second" * 700])
+  path = fetch.download_gguf("fake", progress=False)
+  real_sha256 = hashlib.sha256
+  monkeypatch.setattr(fetch.hashlib, "sha256", lambda: pytest.fail("hashed a stamped file"))
+  assert fetch.download_gguf("fake", progress=False) == path
+  monkeypatch.setattr(fetch.hashlib, "sha256", real_sha256)
+  st = path.stat()
+  path.write_bytes(b"x" * len(data))
+  os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+  assert fetch.download_gguf("fake", progress=False).read_bytes() == data
+  assert "does not match its sha256; fetching it again" in capsys.readouterr().err
 
 
 def test_fetch_sha256_mismatch_leaves_nothing(tmp_path, monkeypatch):

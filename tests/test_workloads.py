@@ -218,7 +218,7 @@ def run_throughput(tmp_path, monkeypatch, capsys, loaded, **flag_values):
   settings = dict(workload="continuation", prompt_min_tokens=MIN_TOKENS,
                   prompt_max_tokens=MAX_TOKENS, batch=2, max_new_tokens=MAX_NEW,
                   num_requests=REQUESTS, methods=["none"], gammas=["default=2"], sparsity=0.2,
-                  min_tokens=8, warmup_s=0.0, measure_s=1e9, chunk_rounds=2, profile=False,
+                  min_tokens=8, warmup_s=0.0, measure_s=1e9, chunk_rounds=["2"], profile=False,
                   stagger=False, temperature=0.0, out=str(out))
   with flagsaver.flagsaver(**{**settings, **flag_values}):
     throughput.main([])
