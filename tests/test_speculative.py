@@ -311,26 +311,18 @@ def smollm2(weights_smollm2_ckpt):
   return loading.load_model(weights_smollm2_ckpt, dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("method, gamma, ratio", [("vegas", 6, 0.1), ("quest", 3, 0.2)])
-def test_smollm2_greedy_equals_vanilla(smollm2, method, gamma, ratio):
+def test_smollm2_greedy_vegas_equals_vanilla(smollm2):
+  """Vegas (gamma 6, ratio 0.1) on real weights, a ragged batch of AIME25 prompts. Vegas only: a
+  real-weight case costs about a minute of compiling SmolLM2's 30 layers, and the other methods'
+  greedy equality is checked on the tiny model above."""
   from jaxspec.io.loading import apply_chat_template
   tok = smollm2.tokenizer
   with open(AIME25) as f:
     problems = [json.loads(line)["problem"] for line in itertools.islice(f, 2)]
   prompts = [tok.encode(apply_chat_template(tok, p), add_special_tokens=False) for p in problems]
   prompts.append(prompts[0][:40])            # a third, much shorter prompt: ragged batch
-  ref = _smollm2_vanilla(smollm2.model, prompts)
-  out, stats = generate(smollm2.model, prompts, method=method, gamma=gamma, sparsity=ratio,
+  ref, _ = generate(smollm2.model, prompts, max_new_tokens=24, cache_dtype=jnp.float32)
+  out, stats = generate(smollm2.model, prompts, method="vegas", gamma=6, sparsity=0.1,
                         min_tokens=8, max_new_tokens=24, cache_dtype=jnp.float32)
   assert out == ref
   assert stats.extra["mean_accepted_tokens"] >= 1
-
-
-_VANILLA_CACHE = {}
-
-
-def _smollm2_vanilla(model, prompts):
-  key = tuple(map(tuple, prompts))
-  if key not in _VANILLA_CACHE:
-    _VANILLA_CACHE[key], _ = generate(model, prompts, max_new_tokens=24, cache_dtype=jnp.float32)
-  return _VANILLA_CACHE[key]
