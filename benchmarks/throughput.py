@@ -43,8 +43,9 @@ tokens produced and the wall time (refill prefills included, as a serving engine
 counter would; decode-only throughput is reported too, and the refills' share of the window and
 milliseconds each), the mean accepted tokens per round, and (--profile) the drafting /
 verification / selection time shares (`Runner.time_phases`) over a few rounds of the serving batch
-as it stands at the end of the window. Same prompts and seed for all methods. A --methods entry `vegas@0.05` runs vegas at its
-own ratio and `vegas:6` at its own gamma, so one run can hold a method at 0.07 and at its tuned
+as it stands at the end of the window. Same prompts and seed for all methods. A --methods entry
+`vegas@0.05` runs vegas at its own ratio and `vegas:6` at its own gamma, so one run can hold a
+method at 0.07 and at its tuned
 (gamma, ratio). Method `draft` drafts with the separate --draft_model (same tokenizer); method
 `specattn` too, and verifies over the draft's top-p attention sets (`specattn@0.95` keeps 0.95 of
 the mass, default --top_p_attn; layer map from --specattn_map, else proportional; at most
@@ -201,8 +202,7 @@ def parse_entry(entry: str) -> tuple[str, float, int]:
     return entry.partition(":")[0].partition("@")[0], parse_entry(entry)[1], len(widths)
   name, _, own_gamma = entry.partition(":")
   method, _, ratio = name.partition("@")
-  table = dict(item.split("=") for item in _GAMMAS.value)
-  gamma = own_gamma or table.get(entry, table.get(method, table.get("default", 4)))
+  gamma = own_gamma or for_entry(dict(item.split("=") for item in _GAMMAS.value), entry, 4)
   if method == "ssv":   # ssv@class.G names a class, not a ratio (`ssv_entry`)
     return method, _SPARSITY.value, int(gamma)
   default = {"specattn": _TOP_P_ATTN.value, "sts": _STS_BUDGET.value}.get(method, _SPARSITY.value)
@@ -224,8 +224,14 @@ def chunk_rounds(entry: str) -> int:
       raise ValueError(f"--chunk_rounds: {item!r} is not N or method=N") from None
     if table[key or "default"] < 1:
       raise ValueError(f"--chunk_rounds: {item!r}: a call runs at least one round")
+  return for_entry(table, entry, 8)
+
+
+def for_entry(table: dict, entry: str, fallback):
+  """A per-method flag's value (--gammas, --chunk_rounds) for a --methods entry: the entry's own,
+  then its method's, then 'default', then `fallback`."""
   method = entry_tree(entry)[0].partition(":")[0].partition("@")[0]
-  return table.get(entry, table.get(method, table.get("default", 8)))
+  return table.get(entry, table.get(method, table.get("default", fallback)))
 
 
 def entry_tree(entry: str) -> tuple[str, tuple[int, ...] | None]:

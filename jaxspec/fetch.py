@@ -95,6 +95,11 @@ def _download_wheel(package: str, version: str, dest: Path) -> Path:
   return wheels[0]
 
 
+def _partial_path(final: Path) -> Path:
+  """A hidden file beside `final` to write it in, unique to this call, then rename into place."""
+  return final.with_name(f".{final.name}.partial-{uuid.uuid4().hex[:8]}")
+
+
 def _stamp_path(path: Path) -> Path:
   return path.with_name(path.name + ".verified")
 
@@ -106,10 +111,10 @@ def _stamp_of(path: Path, sha256: str) -> str:
 
 
 def _write_stamp(path: Path, sha256: str) -> None:
-  """Records that `path` hashed to `sha256`, so that later calls need not hash it again (3.6 s
-  for the 1.5B's GGUF). Best effort: a cache that cannot be written is hashed every time."""
+  """Records that `path` hashed to `sha256`, so that later calls need not hash it again. Best
+  effort: a cache that cannot be written is hashed every time."""
   stamp = _stamp_path(path)
-  partial = stamp.with_name(f".{stamp.name}.partial-{uuid.uuid4().hex[:8]}")
+  partial = _partial_path(stamp)
   try:
     partial.write_text(_stamp_of(path, sha256))
     partial.replace(stamp)
@@ -150,7 +155,7 @@ def download_gguf(name: str, *, progress: bool = True) -> Path:
         file=sys.stderr)
   h, n = hashlib.sha256(), 0
   # Not mkstemp: its 0600 mode would stick to the cached file after the rename.
-  partial = final.with_name(f".{final.name}.partial-{uuid.uuid4().hex[:8]}")
+  partial = _partial_path(final)
   try:
     with open(partial, "xb") as out, tqdm(total=demo.size, unit="B", unit_scale=True,
                                           desc=name, disable=not progress) as bar:
