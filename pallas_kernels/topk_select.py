@@ -19,31 +19,26 @@ lists it in ascending position order (what a gather over the cache wants anyway)
   3. keep every key above it and the first (k - #above) keys equal to it, in position order, and
      compact with a running count and a binary search per output slot (no scatter).
 method='pallas' runs the same search as a Pallas (Triton) kernel, bf16 only, grid (B,): one program
-per row, which walks its row in tiles of `block` positions. The digit passes (whose counts also
-give the number of keys above the threshold) and the emitting pass each re-read the row, which
-stays in L2 between passes (a row is 2 bytes a position), and the kept positions are written in
-order by a running count (a block-wise cumsum) with a scatter store. It is not bound by memory
-(below); with one program a row it needs many rows to fill the GPU, so the per-layer selection
+per row, which walks its row in tiles of `block` positions. Each digit pass counts, among the keys
+that share the threshold's bits found so far, how many have each of the 2^digit values of the
+next digit: a lane counts its keys in 4-bit fields, eight values to an int32 (a compare, a select
+and an add per key and word, with no reduction per tile), and every 15 tiles the fields are summed
+over the lanes into the row's totals. Suffix sums of that histogram give the count at each
+candidate threshold and the number of keys above the threshold. The emitting pass writes the
+kept positions in order by a running count (a block-wise cumsum) with a scatter store. Each pass
+re-reads the row. The kernel is bound by its integer work per key, not by its bytes (below); with
+one program a row it needs many rows to fill the GPU, so the per-layer selection
 (`jaxspec.drafting.policies.per_layer_topk`) runs the kernel from 256 rows and the XLA form
 below. method='top_k' is lax.top_k, which sorts every row (the reference itself).
 
-Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md "Kernels", fourth session), bf16 scores,
-ratio 0.07:
-  N=1536 x L=33792 (24 layers x 64 sequences, the long workload's per-round selection):
-    kernel 747.0 us (digit=2: 824.5), threshold 1837.6 us, lax.top_k 3407.1 us;
-  B=16 x L=131072: threshold 167.0 us, kernel 699.4 us (16 programs for 132 SMs), lax.top_k 383.0.
-H100, twenty-fourth session (`results/topk_probe_h100*.json`), the kernel: 1536 x 33792 690-697 us,
-3584 x 25088 (28 layers x 128 sequences, the 1.5B's) 1153-1162 us: -6% from folding the count of
-keys above the threshold into the digit passes (one pass of five). Against the 3016 GB/s copy of
-the same run (`results/topk_probe_copy_h100.json`: one read of the scores, one write of the
-indices) that is 170-177 GB/s, 17.0-17.8x its floor (68 us at 3584 x 25088). Three probes say
-what does not bound it: that pass's compares (6% for a fifth of the passes), the reduction per
-tile (counts kept in registers across tiles were slower: 1532 us at 256 a tile), the emitting
-pass's two scans (one scan for both running counts changed nothing).
-Inside a Vegas round at Qwen2.5-0.5B shapes (B=64 x 24576; fifth session's trace): 0.55 ms. The
-floor is one read of the scores (~25 us for the 104 MB at N=1536); the kernel is 30x that. A
-histogram in shared memory (not expressible in Pallas's Triton lowering) would take it to two
-passes. How the kernel got here: benchmarks/NOTES_kernels.md.
+Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md, forty-fifth session), bf16 scores, ratio
+0.07, block 1024, 4 warps: 3584 x 25088 (28 layers x 128 sequences, the 1.5B's per-round
+selection) 768 us, 1536 x 33792 460 us; 257-267 GB/s against the run's 4105 GB/s copy (one read
+of the scores, one write of the indices), 15-16x that floor. Of the 768 us, the four digit
+passes' loads and key mapping take about 270, their histograms about 280 and the emitting pass
+about 220 (probe variants of the same run). In a vegas round of the random-weight 1.5B at
+B = 128 x 24K it is 0.81 ms, 1.3% of the round's GPU time. How the kernel got here:
+benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
 
@@ -137,41 +132,65 @@ def compact_positions(keep: jax.Array, k_max: int) -> jax.Array:
   return jnp.where(slots[None] <= rank[:, -1:], idx, 0).astype(jnp.int32)
 
 
+_GROUP = 15   # tiles a lane counts in 4-bit fields before they are widened (a field holds 15)
+
+
 def _select_kernel(len_ref, k_ref, bits_ref, idx_ref, *, block: int, digit: int):
   # len_ref  []       int32   prefix length of this row
   # k_ref    []       int32   k, the positions to keep
   # bits_ref [L]      uint16  the row's 16-bit scores, bit patterns
   # idx_ref  [k_max]  int32   out: the kept positions ascending, then zeros
-  # Every pass below re-reads the row; a program's own row (2 bytes a position) stays in L2
-  # between passes, so HBM sees it about once.
+  # Every pass below re-reads the row; HBM or L2 serves it (a row is 2 bytes a position).
   length, k = len_ref[()], k_ref[()]
-  n_blocks = (length + block - 1) // block
+  n_full, n_blocks = length // block, (length + block - 1) // block
+  bins = 1 << digit
 
-  def keys(i):
+  def keys(i, masked=True):
     pos = i * block + jnp.arange(block, dtype=jnp.int32)
+    ref = bits_ref.at[pl.ds(i * block, block)]
     live = pos < length
-    bits = plgpu.load(bits_ref.at[pl.ds(i * block, block)], mask=live, other=0).astype(jnp.int32)
-    bits = jnp.where((bits & 0x7FFF) > 0x7F80, 0xFF80, bits)            # NaN -> -inf
-    return pos, jnp.where(live, _flip16(bits), 0)                       # as _ordered_key
+    bits = (plgpu.load(ref, mask=live, other=0) if masked else plgpu.load(ref)).astype(jnp.int32)
+    key = _flip16(jnp.where((bits & 0x7FFF) > 0x7F80, 0xFF80, bits))    # NaN -> -inf
+    return pos, (jnp.where(live, key, 0) if masked else key)            # as _ordered_key
 
-  def count_at_least(cand):                                             # cand [R] -> [R]
-    def body(i, acc):
-      _, key = keys(i)
-      return acc + jnp.sum((key[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
-    return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros(cand.shape, jnp.int32))
+  def histogram(t, shift):
+    """[bins] scalars: how many keys share t's bits above shift + digit, by their digit at
+    shift. A lane counts its keys in 4-bit fields, eight bins an int32 (one shift and add per
+    key and word, no reduction per tile), for up to _GROUP tiles; then the fields are summed
+    over the lanes into the [bins] totals."""
+    top = shift + digit
+    words = max(1, bins // 8)
 
-  # The k-th largest key, `digit` bits a pass (as _kth_key; candidate 0 is t itself, which always
-  # has >= k keys at or above it, so the digit is the number of candidates that do, minus one).
-  # `above` tracks #(key >= t + 2^shift), the count just past t's prefix: candidate digit + 1 of
-  # the same pass, or, when the digit is the largest, the previous pass's `above`. After the last
-  # pass it is #(key > t), so no separate pass counts it.
+    def tile(masked):
+      def body(i, acc):
+        key = keys(i, masked)[1]
+        code = jnp.where((key >> top) == (t >> top), (key >> shift) & (bins - 1), 16)
+        inc = jnp.left_shift(1, (code & 7) << 2)                        # code 16: no word
+        return tuple(a + jnp.where(code >> 3 == w, inc, 0) for w, a in enumerate(acc))
+      return body
+
+    def widen(acc, total):
+      return tuple(x + jnp.sum((acc[j >> 3] >> ((j & 7) * 4)) & 15) for j, x in enumerate(total))
+
+    zero = (jnp.zeros((block,), jnp.int32),) * words
+
+    def group(g, total):
+      end = jnp.minimum(g * _GROUP + _GROUP, n_full)
+      return widen(jax.lax.fori_loop(g * _GROUP, end, tile(False), zero), total)
+    total = jax.lax.fori_loop(0, (n_full + _GROUP - 1) // _GROUP, group, (jnp.int32(0),) * bins)
+    return widen(jax.lax.fori_loop(n_full, n_blocks, tile(True), zero), total)  # the ragged tile
+
+  # The k-th largest key t, `digit` bits a pass (as _kth_key). `above` is #(key > t's prefix so
+  # far), i.e. the keys already known to rank above the threshold; after the last pass it is
+  # #(key > t), which the emitting pass needs for ties.
   t, above = jnp.int32(0), jnp.int32(0)
-  steps = jnp.arange(1 << digit, dtype=jnp.int32)
   for shift in range(16 - digit, -1, -digit):
-    at_least = count_at_least(t | (steps << shift))
-    d = jnp.sum((at_least >= k).astype(jnp.int32)) - 1
-    next_count = jnp.sum(jnp.where(steps == d + 1, at_least, 0))
-    above = jnp.where(d + 1 < (1 << digit), next_count, above)
+    hist = histogram(t, shift)
+    at_least = [above] * (bins + 1)                     # at_least[j] = #(key >= t | j << shift)
+    for j in range(bins - 1, -1, -1):
+      at_least[j] = at_least[j + 1] + hist[j]
+    d = sum((at_least[j] >= k).astype(jnp.int32) for j in range(1, bins))  # at_least shrinks in j
+    above = sum(jnp.where(d + 1 == j, at_least[j], 0) for j in range(1, bins + 1))
     t = t | (d << shift)
   emit_kept(idx_ref, keys, n_blocks, t, k - above, k, block)            # ties: lowest first
 
@@ -241,8 +260,8 @@ def topk_select(scores: jax.Array, lengths: jax.Array, k: jax.Array, *, k_max: i
   if method == "pallas":
     if scores.dtype != jnp.bfloat16:
       raise ValueError(f"method='pallas' takes bf16 scores, got {scores.dtype}")
-    if 16 % digit or block < 16 or block & (block - 1):
-      raise ValueError("digit must divide 16 and block be a power of two >= 16; "
+    if digit not in (1, 2, 4) or block < 16 or block & (block - 1):
+      raise ValueError("digit must be 1, 2 or 4 and block a power of two >= 16; "
                        f"got {digit}, {block}")
     return _topk_pallas(scores, lengths.astype(jnp.int32), k, k_max, block=block, digit=digit,
                         num_warps=num_warps, interpret=interpret)
