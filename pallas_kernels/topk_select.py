@@ -155,9 +155,9 @@ def _select_kernel(len_ref, k_ref, bits_ref, idx_ref, *, block: int, digit: int)
 
   def histogram(t, shift):
     """[bins] scalars: how many keys share t's bits above shift + digit, by their digit at
-    shift. A lane counts its keys in 4-bit fields, eight bins an int32 (one shift and add per
-    key and word, no reduction per tile), for up to _GROUP tiles; then the fields are summed
-    over the lanes into the [bins] totals."""
+    shift. A lane counts its keys in 4-bit fields, eight bins an int32 (a compare, a select and
+    an add per key and word, no reduction per tile), for up to _GROUP tiles; then the fields are
+    summed over the lanes into the [bins] totals."""
     top = shift + digit
     words = max(1, bins // 8)
 
