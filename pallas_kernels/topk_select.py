@@ -34,9 +34,9 @@ below. method='top_k' is lax.top_k, which sorts every row (the reference itself)
 Latest measured (H200, jax 0.11.2, benchmarks/RESULTS.md, forty-fifth session), bf16 scores, ratio
 0.07, block 1024, 4 warps: 3584 x 25088 (28 layers x 128 sequences, the 1.5B's per-round
 selection) 768 us, 1536 x 33792 460 us; 257-267 GB/s against the run's 4105 GB/s copy (one read
-of the scores, one write of the indices), 15-16x that floor. Of the 768 us, the four digit
-passes' loads and key mapping take about 270, their histograms about 280 and the emitting pass
-about 220 (probe variants of the same run). In a vegas round of the random-weight 1.5B at
+of the scores, one write of the indices), 15-16x that floor. Probe variants of its form with
+masked tiles (795 us) split the time: the four digit passes' loads and key mapping about 270 us,
+their histograms about 300, the emitting pass about 220. In a vegas round of the random-weight 1.5B at
 B = 128 x 24K it is 0.81 ms, 1.3% of the round's GPU time. How the kernel got here:
 benchmarks/NOTES_kernels.md.
 """
