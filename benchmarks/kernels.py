@@ -53,9 +53,10 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "ga
                                    "tree", "specattn", "sts", "sts_verify"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
-                  "collect2: the verification kernel with and without Collect-2's scores at a "
-                  "vegas round's shapes (0.5B and 1.5B, B 64 and 128 x 24576, T = 7; Qwen3-8B, "
-                  "B 4 x 131072, T = 8), 8 chained calls each; "
+                  "collect2: the verification kernel with and without Collect-2's scores, the "
+                  "scores from the tile's padding rows (the default) and from their own "
+                  "product, at a vegas round's shapes (0.5B and 1.5B, B 64 and 128 x 24576, "
+                  "T = 7 and 9; Qwen3-8B, B 4 x 131072, T = 8 and 12), 8 chained calls each; "
                   "gamma: the verification kernel at long rounds (T = gamma + 1 up to 17: "
                   "more packed query rows than one 64-row tile), with and without Collect-2's "
                   "scores, and its tile knobs there; "
@@ -804,13 +805,18 @@ def scores_plan(q3, sh):
 
 
 def collect2_plan(q3, sh):
-  """Collect-2's cost (issue 14's goal: at most 5% over the same verification without it)."""
+  """Collect-2's cost (issue 14's goal: at most 5% over the same verification without it), 8
+  chained calls a mode: scores off, Collect-2 at the defaults (the summed query in the tile's
+  padding rows where one is free) and Collect-2 from the separate k @ qsum product."""
+  product = (dict(scores="collect2", logits_store=False),)
   for m in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
     for b in (64, 128):
-      dense_case(m, b, 24576 // sh, 7, ("off", "collect2"), with_ref=False, with_torch=False,
-                 chain=True)
-  dense_case(q3, 4, 131072 // sh, 8, ("off", "collect2"), with_ref=False, with_torch=False,
-             chain=True)
+      for t in (7, 9):
+        dense_case(m, b, 24576 // sh, t, ("off", "collect2"), with_ref=False, with_torch=False,
+                   chain="only", variants=product)
+  for t in (8, 12):     # 8: 32 packed rows fill the tile, so the defaults take the product
+    dense_case(q3, 4, 131072 // sh, t, ("off", "collect2"), with_ref=False, with_torch=False,
+               chain="only", variants=product)
 
 
 def gamma_plan(q3, sh):

@@ -220,8 +220,10 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   #   'sum'  [S] f32 over the collected rows;  'rows' [S, R] f32 per query row (column t)
   #   or 'store' [M, S] f32: packed rows r < store_rows, each its own scaled base-2 logits (what
   #   the softmax uses; -inf where masked), written only for the keys below kv_end
+  #   or 'pad' [S] f32: the scaled base-2 logits of the tile's last row, a padding row that holds
+  #   the collected rows' summed query
   refs = list(refs)
-  qsum_ref = None if score_mode in (None, "store") else refs.pop(0)
+  qsum_ref = None if score_mode in (None, "store", "pad") else refs.pop(0)
   if tree:
     full_ref, end_ref, bits_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   if score_mode is None:
@@ -251,6 +253,10 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     qsum = qsum_ref[...]
   row_t = jnp.minimum(jnp.arange(m_rows) // g, t - 1)
   qk_scale = sm_scale * online_softmax.LOG2E
+  if score_mode == "pad":
+    # The last row's logits go to score_ref[j], every other row's past its end (masked off).
+    pad_row = (jnp.arange(m_rows) == m_rows - 1)[:, None]                  # [M, 1]
+    pad_offsets = jnp.where(pad_row, 0, k_ref.shape[0])
 
   def step(i, carry, masked):
     j0 = start + i * block_k
@@ -290,6 +296,12 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       keep = (jnp.arange(m_rows) < store_rows)[:, None]
       plgpu.store(score_ref.at[:, pl.ds(j0, block_k)], s,
                   mask=(keep & live[None, :]) if masked else keep)
+    elif score_mode == "pad":
+      # The summed query's row of the logit tile, each thread storing the entries it holds: a
+      # store takes a value shaped like its destination, so every row gets an address, the other
+      # rows' past the end of score_ref (masked off; an interpret-mode scatter drops them).
+      plgpu.store(score_ref.at[pad_offsets + cols[None, :]], s,
+                  mask=(pad_row & live[None, :]) if masked else pad_row)
     return online_softmax.update(carry, s, v)
 
   carry = online_softmax.init(m_rows, d)
@@ -428,6 +440,9 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
     elif score_mode == "store":
       out_shape.append(jax.ShapeDtypeStruct((hkv, m_rows, s), jnp.float32))
       out_specs.append(pl.BlockSpec((None, m_rows, s), lambda h, i: (h, 0, 0)))
+    elif score_mode == "pad":
+      out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
+      out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
     else:
       r_rows = qsum.shape[1] // 2
       out_shape.append(jax.ShapeDtypeStruct((hkv, s, r_rows), jnp.float32))
@@ -500,6 +515,13 @@ def _summed_query(qp: jax.Array, row_idx: list[int], dtype) -> jax.Array:
   qsum = jnp.sum(qp[:, :, jnp.asarray(row_idx)].astype(jnp.float32), axis=2)   # [B, Hkv, D]
   parts = jnp.stack(_hi_lo(qsum, dtype), axis=2)                                # [B, Hkv, 2, D]
   return jnp.pad(parts, ((0, 0), (0, 0), (0, _QSUM_ROWS - 2), (0, 0)))
+
+
+def _with_summed_query(qp: jax.Array, row_idx: list[int]) -> jax.Array:
+  """[B, Hkv, M, D] packed queries -> the same with the collected rows' sum, summed in f32 and
+  rounded to qp's dtype, in the last row, which is padding."""
+  qsum = jnp.sum(qp[:, :, jnp.asarray(row_idx)].astype(jnp.float32), axis=2)   # [B, Hkv, D]
+  return qp.at[:, :, -1].set(qsum.astype(qp.dtype))
 
 
 def _row_queries(qp: jax.Array, t: int, g: int, r_rows: int, dtype) -> jax.Array:
@@ -591,7 +613,7 @@ def runs_heads_as_columns(t: int, hq: int, hkv: int, d: int, score_kind: str | N
 
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
-    "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store"))
+    "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store", "logits_store"))
 def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
                      lengths: jax.Array, *,
                      score_kind: str | None = None,
@@ -601,7 +623,8 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int = 3, tree_bits: jax.Array | None = None,
                      score_heads: str = "mean", score_dtype=jnp.bfloat16,
-                     weights_store: bool | None = None) -> tuple[jax.Array, jax.Array | None]:
+                     weights_store: bool | None = None,
+                     logits_store: bool | None = None) -> tuple[jax.Array, jax.Array | None]:
   """Pallas flash-decoding verification attention; same contract as verify_attention_reference,
   `tree_bits` included (None compiles the chain's kernels, unchanged).
 
@@ -620,6 +643,12 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   rather than a second pass over K; None (the default) stores where that moves fewer bytes: the
   packed rows up to the last collected one, written and read back in f32, against one read of K
   (8 * rows <= D * itemsize; a draft step's T = 1 with G <= 8 at head_dim 64).
+  `logits_store`: collected 'logits' (not per row, no tree) from the main product: the summed
+  query, rounded to bf16 (about 2^-9 of each entry; the product keeps it to about 2^-16), rides
+  in the query tile's last row, a padding row, and the kernel stores that row of the logit tile.
+  False takes a separate k @ qsum product. None (the default) stores at head_dim < 128 wherever
+  a padding row is free; at 128 the stored row's layout change needs shared memory that a
+  128-key block leaves no room for, and at 64 keys it is slower than the product at 128.
   """
   _check_shapes(q, k, v, lengths)
   if score_kind not in (None, "logits", "weights"):
@@ -672,8 +701,17 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
                      and 8 * store_rows <= d * k.dtype.itemsize)
   elif weights_store and (score_kind != "weights" or per_row or tree is not None):
     raise ValueError("weights_store needs collected 'weights' scores, not per row, without a tree")
+  pad_free = m_rows > t * g
+  if logits_store is None:
+    logits_store = (score_kind == "logits" and not per_row and tree is None and pad_free
+                    and d < 128)
+  elif logits_store and (score_kind != "logits" or per_row or tree is not None or not pad_free):
+    raise ValueError("logits_store needs collected 'logits' scores, not per row, without a tree, "
+                     f"and a padding row in the {m_rows}-row query tile ({t} x {g} rows used)")
   if weights_store:
     score_mode = "store"
+  elif logits_store:
+    score_mode, qp = "pad", _with_summed_query(qp, row_idx)
   elif score_kind == "logits" and per_row:
     score_mode, qsum = "rows", _row_queries(qp, t, g, r_rows, k.dtype)
   elif score_kind == "logits":
@@ -714,7 +752,9 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
     weights_bound = online_softmax.tree_bounds(common_bits[:, None], lengths, s)[1]
     first_row = None
   r_idx = jnp.asarray(row_idx)                          # the collected packed rows
-  if score_kind == "logits":
+  if logits_store:
+    per_head = outs[3] * (1.0 / (scale * online_softmax.LOG2E))   # base-2 scaled back to q.k
+  elif score_kind == "logits":
     per_head = outs[3]                                  # [B,Hkv,S]
   elif weights_store:
     logits = outs[3][:, :, r_idx]                       # [B,Hkv,R*G,S], base 2, scaled
