@@ -38,14 +38,17 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
   * each split writes an unnormalised partial (acc, running max, denominator); a small XLA combine
     merges the P splits (1-2% of the cache bytes at the default split count). The query tile, the
     split count and the combine are the ones `sparse_attention` uses (`online_softmax`).
-  * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are one product
-    k [block_k, D] @ qsum^T [D, 16] of the K tile already staged with their summed query (summed in
-    f32 by XLA, passed as a bf16 high + low pair: exact to about 2^-16). Keys sit on the rows of the
-    product, so the per-key sum stays inside a warp (summing rows of the [M, block_k] logit tile
-    would cross every warp of the MMA layout); it is stored straight to HBM as [B, Hkv, S] f32,
-    about 1/D extra traffic, and XLA sums the Hkv partials, applies the -inf rule and casts to bf16.
-    The all-rows mode costs the same as Collect-2. Per-row 'logits' use each row's head-summed
-    query in one [block_k, R] product (R = T rounded up to 16), stored key-major [B, Hkv, S, R] f32.
+  * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are the logits of
+    their summed query (summed in f32 by XLA). At head_dim < 128, where the tile has a padding row
+    (M > G*T), that query, rounded to bf16, rides in the tile's last row, and the kernel stores
+    that row of the main product's [M, block_k] logits: no product of its own (`logits_store`).
+    Otherwise it is a second product k [block_k, D] @ qsum^T [D, 16] of the K tile already staged
+    (the sum as a bf16 high + low pair: exact to about 2^-16), keys on the rows, so the per-key
+    sum stays inside a warp (summing rows of the logit tile would cross every warp of the MMA
+    layout). Either way the scores go straight to HBM as [B, Hkv, S] f32, about 1/D extra traffic,
+    and XLA sums the Hkv partials, applies the -inf rule and casts to bf16. The all-rows mode
+    costs the same as Collect-2. Per-row 'logits' use each row's head-summed query in one
+    [block_k, R] product (R = T rounded up to 16), stored key-major [B, Hkv, S, R] f32.
   * 'weights' scores need the final log-sum-exp, known only after the combine. Where few packed
     rows are collected (a draft step: T = 1, G heads), the main pass stores their scaled logits
     ([Hkv, M, S] f32, the rows up to the last collected one) and XLA applies the lse after the
@@ -82,7 +85,11 @@ run's device copy), Qwen3-8B layer shapes:
   sum and store lengthening each key block's step in a latency-bound loop (Nsight Compute);
   per-row scores, B=4 T=8: logits 870.4 us, weights 907.6, scores off 496.0.
 At Qwen2.5-0.5B shapes inside a Vegas round (B=64 x 24576, T=5; fifth session's trace): 235.5 us
-per layer with scores, 197.0 without. How the kernel got here: benchmarks/NOTES_kernels.md.
+per layer with scores, 197.0 without. Collect-2 over scores off, 8 chained calls (H200, forty-sixth
+session): the 0.5B at B=64-128 x 24576, T=7 and 9, +15.0-19.8% from the padding row, +20.2-23.4%
+from the product; the 1.5B (T=9) +7.2-8.1% and Qwen3-8B (B=4 x 131072, T=12) +8.4-8.6% from the
+product, where the padding row at 64-key blocks gave +12.2-15.0%.
+How the kernel got here: benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
 

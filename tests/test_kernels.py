@@ -153,10 +153,59 @@ def test_decode_runs_its_kv_heads_as_one_wide_head_where_one_tile_holds_every_ro
   assert names(1, 14, 64, hkv=2) == {"verify_attention_t1_g14_d128"}
   assert names(2, 8, 16, hkv=4) == {"verify_attention_t2_g8_d64"}
   assert names(1, 14, 64, hkv=2, score_kind="logits") == {
-      "verify_attention_t1_g7_d64_scores_sum"}
+      "verify_attention_t1_g7_d64_scores_pad"}
   assert names(2, 14, 64, hkv=2) == {"verify_attention_t2_g7_d64"}      # 28 rows: two tiles
   assert names(1, 9, 64, hkv=3) == {"verify_attention_t1_g3_d64"}       # 192 columns
   assert names(1, 8, 128, hkv=2) == {"verify_attention_t1_g4_d128"}     # head_dim 128 already
+
+
+PAD_CASES = [
+    # T, Hq, Hkv, D, score_heads, knobs
+    (9, 7, 1, 64, "mean", dict(block_k=16, num_splits=3)),   # 63 of 64 rows: one padding row
+    (2, 14, 2, 64, "kv", dict(block_k=16, num_splits=2)),    # per KV head
+    (7, 4, 1, 128, "mean", {}),                              # forced at head_dim 128
+]
+
+
+@pytest.mark.parametrize("t,hq,hkv,d,heads,knobs", PAD_CASES)
+def test_padding_row_and_product_logits_match_the_reference(t, hq, hkv, d, heads, knobs):
+  """Collect-2's 'logits' from the query tile's padding row (the summed query rounded to bf16)
+  and from the k @ qsum product (kept to about 2^-16): each gives the reference's output, its
+  -inf entries and its scores within the bf16 tolerance, and names its kernel for its path."""
+  opts = dict(score_kind="logits", score_heads=heads)
+  for store in (True, False):
+    _, (out, scores), (ref, ref_scores) = _verify_both(t, hq, hkv, d,
+                                                       dict(knobs, logits_store=store), **opts)
+    assert _rel_err(out, ref) < 1e-2
+    sc, rs = np.asarray(scores, np.float32), np.asarray(ref_scores, np.float32)
+    assert sc.shape == ((_B, hkv, _S) if heads == "kv" else (_B, _S))
+    np.testing.assert_array_equal(np.isinf(sc), np.isinf(rs))
+    fin = np.isfinite(rs)
+    np.testing.assert_allclose(sc[fin], rs[fin], rtol=2e-2, atol=2e-2 * np.abs(rs[fin]).max())
+  # Each path names its kernel.
+  assert _kernel_names(t, hq, d, hkv=hkv, logits_store=True, **opts, **knobs) == {
+      f"verify_attention_t{t}_g{hq // hkv}_d{d}_scores_pad"}
+  assert _kernel_names(t, hq, d, hkv=hkv, logits_store=False, **opts, **knobs) == {
+      f"verify_attention_t{t}_g{hq // hkv}_d{d}_scores_sum"}
+
+
+def test_logits_store_is_chosen_where_a_padding_row_is_free_at_head_dim_64():
+  """The defaults: the padding row at head_dim < 128 with a row free; the product at head_dim 128
+  and where the rows fill the tile; asking for it where it cannot run is an error."""
+  assert _kernel_names(9, 14, 64, hkv=2, score_kind="logits") == {
+      "verify_attention_t9_g7_d64_scores_pad"}
+  assert _kernel_names(9, 12, 128, hkv=2, score_kind="logits") == {
+      "verify_attention_t9_g6_d128_scores_sum"}
+  assert _kernel_names(8, 4, 64, score_kind="logits") == {"verify_attention_t8_g4_d64_scores_sum"}
+  full, free = (jnp.zeros((1, t, 4, 64), jnp.bfloat16) for t in (8, 2))   # 32 and 8 rows
+  k = jnp.zeros((1, 32, 1, 64), jnp.bfloat16)
+  lengths = jnp.zeros((1,), jnp.int32)
+  for q, opts in ((full, dict(score_kind="logits")),
+                  (free, dict(score_kind="logits", per_row=True)),
+                  (free, dict(score_kind="weights")),
+                  (free, dict(score_kind="logits", tree_bits=jnp.asarray([1, 3], jnp.int32)))):
+    with pytest.raises(ValueError, match="logits_store"):
+      va.verify_attention(q, k, k, lengths, interpret=True, logits_store=True, **opts)
 
 
 def test_weights_store_is_chosen_by_the_bytes_it_moves():
