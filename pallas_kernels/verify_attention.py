@@ -39,16 +39,17 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     merges the P splits (1-2% of the cache bytes at the default split count). The query tile, the
     split count and the combine are the ones `sparse_attention` uses (`online_softmax`).
   * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are the logits of
-    their summed query (summed in f32 by XLA). At head_dim < 128, where the tile has a padding row
+    their summed query (summed in f32 by XLA). Where a tile of at most 64 rows has a padding row
     (M > G*T), that query, rounded to bf16, rides in the tile's last row, and the kernel stores
-    that row of the main product's [M, block_k] logits: no product of its own (`logits_store`).
-    Otherwise it is a second product k [block_k, D] @ qsum^T [D, 16] of the K tile already staged
-    (the sum as a bf16 high + low pair: exact to about 2^-16), keys on the rows, so the per-key
-    sum stays inside a warp (summing rows of the logit tile would cross every warp of the MMA
-    layout). Either way the scores go straight to HBM as [B, Hkv, S] f32, about 1/D extra traffic,
-    and XLA sums the Hkv partials, applies the -inf rule and casts to bf16. The all-rows mode
-    costs the same as Collect-2. Per-row 'logits' use each row's head-summed query in one
-    [block_k, R] product (R = T rounded up to 16), stored key-major [B, Hkv, S, R] f32.
+    that row of the main product's [M, block_k] logits, in bf16: no product of its own
+    (`logits_store`). Otherwise it is a second product k [block_k, D] @ qsum^T [D, 16] of the K
+    tile already staged (the sum as a bf16 high + low pair: exact to about 2^-16), keys on the
+    rows, so the per-key sum stays inside a warp (summing rows of the logit tile would cross
+    every warp of the MMA layout), stored in f32. Either way the scores go straight to HBM as
+    [B, Hkv, S], 1/D-2/D extra traffic, and XLA sums the Hkv partials, applies the -inf rule and
+    casts to bf16. The all-rows mode costs the same as Collect-2. Per-row 'logits' use each row's
+    head-summed query in one [block_k, R] product (R = T rounded up to 16), stored key-major
+    [B, Hkv, S, R] f32.
   * 'weights' scores need the final log-sum-exp, known only after the combine. Where few packed
     rows are collected (a draft step: T = 1, G heads), the main pass stores their scaled logits
     ([Hkv, M, S] f32, the rows up to the last collected one) and XLA applies the lse after the
@@ -86,9 +87,9 @@ run's device copy), Qwen3-8B layer shapes:
   per-row scores, B=4 T=8: logits 870.4 us, weights 907.6, scores off 496.0.
 At Qwen2.5-0.5B shapes inside a Vegas round (B=64 x 24576, T=5; fifth session's trace): 235.5 us
 per layer with scores, 197.0 without. Collect-2 over scores off, 8 chained calls (H200, forty-sixth
-session): the 0.5B at B=64-128 x 24576, T=7 and 9, +15.0-19.8% from the padding row, +20.2-23.4%
-from the product; the 1.5B (T=9) +7.2-8.1% and Qwen3-8B (B=4 x 131072, T=12) +8.4-8.6% from the
-product, where the padding row at 64-key blocks gave +12.2-15.0%.
+session), from the padding row against the product: the 1.5B at B=128 x 24576, T=9, +3.8% against
++8.0% (B=64: +5.5% against +9.5%); Qwen3-8B, B=4 x 131072, T=12, +5.1% against +8.1%; the 0.5B at
+B=128 x 24576, T=9, +16.7% against +24.6% (B=64, T=7: +11.6% against +20.2%).
 How the kernel got here: benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
@@ -227,8 +228,8 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   #   'sum'  [S] f32 over the collected rows;  'rows' [S, R] f32 per query row (column t)
   #   or 'store' [M, S] f32: packed rows r < store_rows, each its own scaled base-2 logits (what
   #   the softmax uses; -inf where masked), written only for the keys below kv_end
-  #   or 'pad' [S] f32: the scaled base-2 logits of the tile's last row, a padding row that holds
-  #   the collected rows' summed query
+  #   or 'pad' [S] bf16: the scaled base-2 logits of the tile's last row, a padding row that
+  #   holds the collected rows' summed query
   refs = list(refs)
   qsum_ref = None if score_mode in (None, "store", "pad") else refs.pop(0)
   if tree:
@@ -306,8 +307,10 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     elif score_mode == "pad":
       # The summed query's row of the logit tile, each thread storing the entries it holds: a
       # store takes a value shaped like its destination, so every row gets an address, the other
-      # rows' past the end of score_ref (masked off; an interpret-mode scatter drops them).
-      plgpu.store(score_ref.at[pad_offsets + cols[None, :]], s,
+      # rows' past the end of score_ref (masked off; an interpret-mode scatter drops them). In
+      # bf16: the store converts the tile's layout through shared memory, and an f32 tile there
+      # does not fit beside 128-key blocks at head_dim 128.
+      plgpu.store(score_ref.at[pad_offsets + cols[None, :]], s.astype(score_ref.dtype),
                   mask=(pad_row & live[None, :]) if masked else pad_row)
     return online_softmax.update(carry, s, v)
 
@@ -448,7 +451,7 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
       out_shape.append(jax.ShapeDtypeStruct((hkv, m_rows, s), jnp.float32))
       out_specs.append(pl.BlockSpec((None, m_rows, s), lambda h, i: (h, 0, 0)))
     elif score_mode == "pad":
-      out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
+      out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.bfloat16))
       out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
     else:
       r_rows = qsum.shape[1] // 2
@@ -652,10 +655,10 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   (8 * rows <= D * itemsize; a draft step's T = 1 with G <= 8 at head_dim 64).
   `logits_store`: collected 'logits' (not per row, no tree) from the main product: the summed
   query, rounded to bf16 (about 2^-9 of each entry; the product keeps it to about 2^-16), rides
-  in the query tile's last row, a padding row, and the kernel stores that row of the logit tile.
-  False takes a separate k @ qsum product. None (the default) stores at head_dim < 128 wherever
-  a padding row is free; at 128 the stored row's layout change needs shared memory that a
-  128-key block leaves no room for, and at 64 keys it is slower than the product at 128.
+  in the query tile's last row, a padding row, and the kernel stores that row of the logit tile
+  in bf16 (each KV head's partial rounded before XLA sums them: scores about a bf16 ulp from the
+  product's). False takes a separate k @ qsum product. None (the default) stores wherever a
+  padding row is free in a tile of at most 64 rows (the shapes measured) at head_dim <= 128.
   """
   _check_shapes(q, k, v, lengths)
   if score_kind not in (None, "logits", "weights"):
@@ -711,7 +714,7 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   pad_free = m_rows > t * g
   if logits_store is None:
     logits_store = (score_kind == "logits" and not per_row and tree is None and pad_free
-                    and d < 128)
+                    and m_rows <= 64 and d <= 128)
   elif logits_store and (score_kind != "logits" or per_row or tree is not None or not pad_free):
     raise ValueError("logits_store needs collected 'logits' scores, not per row, without a tree, "
                      f"and a padding row in the {m_rows}-row query tile ({t} x {g} rows used)")
@@ -760,7 +763,8 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
     first_row = None
   r_idx = jnp.asarray(row_idx)                          # the collected packed rows
   if logits_store:
-    per_head = outs[3] * (1.0 / (scale * online_softmax.LOG2E))   # base-2 scaled back to q.k
+    # The stored base-2 scaled logits, back to q.k.
+    per_head = outs[3].astype(jnp.float32) * (1.0 / (scale * online_softmax.LOG2E))
   elif score_kind == "logits":
     per_head = outs[3]                                  # [B,Hkv,S]
   elif weights_store:

@@ -163,7 +163,7 @@ PAD_CASES = [
     # T, Hq, Hkv, D, score_heads, knobs
     (9, 7, 1, 64, "mean", dict(block_k=16, num_splits=3)),   # 63 of 64 rows: one padding row
     (2, 14, 2, 64, "kv", dict(block_k=16, num_splits=2)),    # per KV head
-    (7, 4, 1, 128, "mean", {}),                              # forced at head_dim 128
+    (7, 4, 1, 128, "mean", {}),                              # head_dim 128, default knobs
 ]
 
 
@@ -189,14 +189,15 @@ def test_padding_row_and_product_logits_match_the_reference(t, hq, hkv, d, heads
       f"verify_attention_t{t}_g{hq // hkv}_d{d}_scores_sum"}
 
 
-def test_logits_store_is_chosen_where_a_padding_row_is_free_at_head_dim_64():
-  """The defaults: the padding row at head_dim < 128 with a row free; the product at head_dim 128
-  and where the rows fill the tile; asking for it where it cannot run is an error."""
-  assert _kernel_names(9, 14, 64, hkv=2, score_kind="logits") == {
-      "verify_attention_t9_g7_d64_scores_pad"}
-  assert _kernel_names(9, 12, 128, hkv=2, score_kind="logits") == {
-      "verify_attention_t9_g6_d128_scores_sum"}
-  assert _kernel_names(8, 4, 64, score_kind="logits") == {"verify_attention_t8_g4_d64_scores_sum"}
+def test_logits_store_is_chosen_where_a_tile_of_at_most_64_rows_has_one_free():
+  """The defaults: the padding row where a tile of at most 64 rows has one free (the 0.5B's and
+  the 1.5B's 9-row rounds); the product where the rows fill the tile or outgrow 64; asking for
+  the padding row where it cannot run is an error."""
+  names = functools.partial(_kernel_names, hkv=2, score_kind="logits")
+  assert names(9, 14, 64) == {"verify_attention_t9_g7_d64_scores_pad"}       # 63 of 64 rows
+  assert names(9, 12, 128) == {"verify_attention_t9_g6_d128_scores_pad"}     # 54 of 64
+  assert names(8, 8, 64) == {"verify_attention_t8_g4_d64_scores_sum"}        # 32 of 32
+  assert names(10, 14, 64) == {"verify_attention_t10_g7_d64_scores_sum"}     # 70 of 128
   full, free = (jnp.zeros((1, t, 4, 64), jnp.bfloat16) for t in (8, 2))   # 32 and 8 rows
   k = jnp.zeros((1, 32, 1, 64), jnp.bfloat16)
   lengths = jnp.zeros((1,), jnp.int32)
