@@ -40,9 +40,9 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     split count and the combine are the ones `sparse_attention` uses (`online_softmax`).
   * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are the logits of
     their summed query (summed in f32 by XLA). Where a tile of at most 64 rows has a padding row
-    (M > G*T), that query, rounded to bf16, rides in the tile's last row, and the kernel stores
-    that row of the main product's [M, block_k] logits, in bf16: no product of its own
-    (`logits_store`). Otherwise it is a second product k [block_k, D] @ qsum^T [D, 16] of the K
+    (M > G*T), that query, in the queries' dtype, rides in the tile's last row, and the kernel
+    stores that row of the main product's [M, block_k] logits, in K's dtype: no product of its
+    own (`logits_store`). Otherwise it is a second product k [block_k, D] @ qsum^T [D, 16] of the K
     tile already staged (the sum as a bf16 high + low pair: exact to about 2^-16), keys on the
     rows, so the per-key sum stays inside a warp (summing rows of the logit tile would cross
     every warp of the MMA layout), stored in f32. Either way the scores go straight to HBM as
@@ -228,8 +228,8 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   #   'sum'  [S] f32 over the collected rows;  'rows' [S, R] f32 per query row (column t)
   #   or 'store' [M, S] f32: packed rows r < store_rows, each its own scaled base-2 logits (what
   #   the softmax uses; -inf where masked), written only for the keys below kv_end
-  #   or 'pad' [S] bf16: the scaled base-2 logits of the tile's last row, a padding row that
-  #   holds the collected rows' summed query
+  #   or 'pad' [S] in K's dtype: the scaled base-2 logits of the tile's last row, a padding row
+  #   that holds the collected rows' summed query
   refs = list(refs)
   qsum_ref = None if score_mode in (None, "store", "pad") else refs.pop(0)
   if tree:
@@ -308,8 +308,8 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       # The summed query's row of the logit tile, each thread storing the entries it holds: a
       # store takes a value shaped like its destination, so every row gets an address, the other
       # rows' past the end of score_ref (masked off; an interpret-mode scatter drops them). In
-      # bf16: the store converts the tile's layout through shared memory, and an f32 tile there
-      # does not fit beside 128-key blocks at head_dim 128.
+      # K's dtype: from a bf16 cache an f32 row outgrows shared memory at head_dim 128 with
+      # 128-key blocks (the store seems to convert the tile's layout there).
       plgpu.store(score_ref.at[pad_offsets + cols[None, :]], s.astype(score_ref.dtype),
                   mask=(pad_row & live[None, :]) if masked else pad_row)
     return online_softmax.update(carry, s, v)
@@ -451,7 +451,7 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
       out_shape.append(jax.ShapeDtypeStruct((hkv, m_rows, s), jnp.float32))
       out_specs.append(pl.BlockSpec((None, m_rows, s), lambda h, i: (h, 0, 0)))
     elif score_mode == "pad":
-      out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.bfloat16))
+      out_shape.append(jax.ShapeDtypeStruct((hkv, s), k.dtype))
       out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
     else:
       r_rows = qsum.shape[1] // 2
@@ -654,10 +654,10 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   packed rows up to the last collected one, written and read back in f32, against one read of K
   (8 * rows <= D * itemsize; a draft step's T = 1 with G <= 8 at head_dim 64).
   `logits_store`: collected 'logits' (not per row, no tree) from the main product: the summed
-  query, rounded to bf16 (about 2^-9 of each entry; the product keeps it to about 2^-16), rides
-  in the query tile's last row, a padding row, and the kernel stores that row of the logit tile
-  in bf16 (each KV head's partial rounded before XLA sums them: scores about a bf16 ulp from the
-  product's). False takes a separate k @ qsum product. None (the default) stores wherever a
+  query, rounded to the queries' dtype (bf16: about 2^-9 of each entry; the product keeps it to
+  about 2^-16), rides in the query tile's last row, a padding row, and the kernel stores that row
+  of the logit tile in K's dtype (from a bf16 cache each KV head's partial is rounded before XLA
+  sums them: scores about a bf16 ulp from the product's). False takes a separate k @ qsum product. None (the default) stores wherever a
   padding row is free in a tile of at most 64 rows (the shapes measured) at head_dim <= 128.
   """
   _check_shapes(q, k, v, lengths)
