@@ -518,20 +518,23 @@ def _weights_unbatched(q, lse, k, length, tree=None, *, kernel, name, r_rows, bl
 _QSUM_ROWS = 16   # the smallest row count tl.dot takes
 
 
+def _collected_sum(qp: jax.Array, row_idx: list[int]) -> jax.Array:
+  """[B, Hkv, M, D] packed queries -> [B, Hkv, D] f32: the sum of the collected packed rows (q.k
+  is linear in q: the sum's logits are the rows' summed logits)."""
+  return jnp.sum(qp[:, :, jnp.asarray(row_idx)].astype(jnp.float32), axis=2)
+
+
 def _summed_query(qp: jax.Array, row_idx: list[int], dtype) -> jax.Array:
   """[B, Hkv, M, D] packed queries -> [B, Hkv, 16, D]: the collected rows' sum in f32, its high
-  part in row 0 and low part in row 1 (q.k is linear in q: one product gives the rows' summed
-  logits)."""
-  qsum = jnp.sum(qp[:, :, jnp.asarray(row_idx)].astype(jnp.float32), axis=2)   # [B, Hkv, D]
-  parts = jnp.stack(_hi_lo(qsum, dtype), axis=2)                                # [B, Hkv, 2, D]
+  part in row 0 and low part in row 1."""
+  parts = jnp.stack(_hi_lo(_collected_sum(qp, row_idx), dtype), axis=2)          # [B, Hkv, 2, D]
   return jnp.pad(parts, ((0, 0), (0, 0), (0, _QSUM_ROWS - 2), (0, 0)))
 
 
 def _with_summed_query(qp: jax.Array, row_idx: list[int]) -> jax.Array:
   """[B, Hkv, M, D] packed queries -> the same with the collected rows' sum, summed in f32 and
   rounded to qp's dtype, in the last row, which is padding."""
-  qsum = jnp.sum(qp[:, :, jnp.asarray(row_idx)].astype(jnp.float32), axis=2)   # [B, Hkv, D]
-  return qp.at[:, :, -1].set(qsum.astype(qp.dtype))
+  return qp.at[:, :, -1].set(_collected_sum(qp, row_idx).astype(qp.dtype))
 
 
 def _row_queries(qp: jax.Array, t: int, g: int, r_rows: int, dtype) -> jax.Array:
@@ -657,8 +660,9 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   query, rounded to the queries' dtype (bf16: about 2^-9 of each entry; the product keeps it to
   about 2^-16), rides in the query tile's last row, a padding row, and the kernel stores that row
   of the logit tile in K's dtype (from a bf16 cache each KV head's partial is rounded before XLA
-  sums them: scores about a bf16 ulp from the product's). False takes a separate k @ qsum product. None (the default) stores wherever a
-  padding row is free in a tile of at most 64 rows (the shapes measured) at head_dim <= 128.
+  sums them: scores about a bf16 ulp from the product's). False takes a separate k @ qsum
+  product. None (the default) stores wherever a padding row is free in a tile of at most 64 rows
+  (the shapes measured) at head_dim <= 128.
   """
   _check_shapes(q, k, v, lengths)
   if score_kind not in (None, "logits", "weights"):
