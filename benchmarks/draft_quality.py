@@ -20,7 +20,10 @@ teacher-forced on that text, the same rounds for every method:
 Teacher forcing feeds the text's tokens where the engine feeds the drafts' own samples, and the
 prefix moves by a fixed stride where the engine's moves by what was accepted; what it gives in
 exchange is a figure free of sampling noise whose differences between methods are paired. The
-attention is the pure-JAX reference's: it runs on any device, a CPU included.
+rounds' attention is the pure-JAX reference's by default, which runs on any device; with
+`--backend=pallas` (a GPU) the verification and draft passes run the engine's kernels, whose
+Collect-2 scores are computed and rounded as the engine's are, so two trees' kernels can be
+compared on the same rounds. The passages' prefill stays on the reference.
 
 Output: a markdown table on stdout (alpha by position, expected tokens a round with its standard
 error, and the paired difference from the first method), the settings and per-round alphas as
@@ -46,7 +49,7 @@ from jaxspec import cli
 from jaxspec.drafting.policies import SELF_DRAFTING, SelectionPolicy, make_policy, static_k_max
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams, probabilities
-from jaxspec.model.attention import Dense
+from jaxspec.model.attention import BACKENDS, Dense
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
 
@@ -70,18 +73,22 @@ def define_flags() -> None:
   flags.DEFINE_integer("top_k", 20, "0 = off")
   flags.DEFINE_integer("seed", 0, "passages' and continuation's seed")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and cache")
+  flags.DEFINE_enum("backend", "reference", list(BACKENDS), "attention of the verification and "
+                    "draft passes (module docstring)")
   flags.DEFINE_string("out", "benchmarks/out/draft_quality.json", "JSON results")
 
 
 _PREFILL_CHUNK = 512   # tokens per prefill pass: the reference attention's [T, S] logits stay small
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "logits"))
-def _forward(graphdef, state, cache: KVCache, tokens, plan, logits: bool = True):
+@functools.partial(jax.jit, static_argnames=("graphdef", "logits", "backend"))
+def _forward(graphdef, state, cache: KVCache, tokens, plan, logits: bool = True,
+             backend: str = "reference"):
   """T tokens after cache.lengths -> (logits [B, T, V] f32, or None without `logits`; the cache
   with their K/V written; scores or None)."""
   model = nnx.merge(graphdef, state)
-  hidden, cache, scores = model(tokens, cache.chain_positions(tokens.shape[1]), cache, plan)
+  hidden, cache, scores = model(tokens, cache.chain_positions(tokens.shape[1]), cache, plan,
+                                backend=backend)
   return (model.logits(hidden) if logits else None), cache, scores
 
 
@@ -103,10 +110,10 @@ def _at(cache: KVCache, length: int) -> KVCache:
 def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
                         policy: SelectionPolicy, *, gamma: int, stride: int, rounds: int,
                         sampling: SamplingParams, cache_dtype=jnp.float32,
-                        progress: bool = False) -> np.ndarray:
+                        backend: str = "reference", progress: bool = False) -> np.ndarray:
   """alpha [rounds, B, gamma]: each draft's acceptance probability under `policy` (module doc),
   teacher-forced on tokens [B, >= context + rounds * stride + gamma + 1], the first `context` of
-  which are the prompt."""
+  which are the prompt; the rounds' attention on `backend` (the prefill's on the reference)."""
   b, n = tokens.shape
   need = context + rounds * stride + gamma + 1
   if n < need:
@@ -122,7 +129,7 @@ def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
 
   def verify(cache, p):
     return _forward(graphdef, state, _at(cache, p), tokens[:, p:p + gamma + 1],
-                    Dense(scores=policy.verify_scores))
+                    Dense(scores=policy.verify_scores), backend=backend)
 
   alphas = []
   p = context
@@ -131,7 +138,8 @@ def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
     nxt = p + stride
     plan = _select(policy, _at(cache, nxt), scores, jnp.full((b,), p, jnp.int32),
                    jnp.full((b,), stride - 1, jnp.int32))
-    q, _, _ = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma], plan)
+    q, _, _ = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma], plan,
+                       backend=backend)
     # The drafts' K/V stay in that pass (its cache is dropped): verification writes the target's
     # own at those positions, as it overwrites the drafts' in the engine.
     logits, cache, scores = verify(cache, nxt)
@@ -209,7 +217,7 @@ def main(argv):
   capacity = cache_capacity(tokens.shape[1])
   settings = dict(model=fv.model, dtype=fv.dtype, context=context,
                   passages=fv.passages, rounds=rounds, gamma=gamma, stride=stride,
-                  sparsity=fv.sparsity, min_tokens=fv.min_tokens,
+                  sparsity=fv.sparsity, min_tokens=fv.min_tokens, backend=fv.backend,
                   sampling=dataclasses.asdict(sampling), seed=fv.seed, device=device_name(),
                   commit=git_commit(), date=datetime.date.today().isoformat(), argv=sys.argv)
   rows, first = [], None
@@ -217,7 +225,8 @@ def main(argv):
     policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
                          k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens))
     alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
-                                rounds=rounds, sampling=sampling, cache_dtype=dtype, progress=True)
+                                rounds=rounds, sampling=sampling, cache_dtype=dtype,
+                                backend=fv.backend, progress=True)
     rows.append(dict(method=method, **summary(alpha, first), alpha=alpha.round(5).tolist()))
     first = alpha if first is None else first
     write_json(fv.out, dict(settings, rows=rows))

@@ -27,12 +27,12 @@ def setup():
   return model, tokens
 
 
-def _alpha(setup, method, ratio, min_tokens=4):
+def _alpha(setup, method, ratio, min_tokens=4, backend="reference"):
   model, tokens = setup
   policy = make_policy(method, ratio=ratio, min_tokens=min_tokens,
                        k_max=static_k_max(CAPACITY, ratio, min_tokens))
   return expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
-                             rounds=ROUNDS, sampling=PAPER)
+                             rounds=ROUNDS, sampling=PAPER, backend=backend)
 
 
 @pytest.mark.parametrize("method,ratio", [("dense", 0.07), ("vegas", 1.0), ("streaming", 1.0),
@@ -54,6 +54,14 @@ def test_a_small_selection_drafts_other_distributions(setup):
   alpha = _alpha(setup, "streaming", 0.05)
   assert np.all((alpha >= 0) & (alpha <= 1 + 1e-5))
   assert alpha.mean() < 0.999
+
+
+def test_the_kernels_give_the_references_alphas(setup):
+  """The rounds on the Pallas kernels (interpret mode: the verification kernel's Collect-2 scores,
+  the sparse draft kernel) give the reference's alphas, in float32, at a selection that bites."""
+  ref = _alpha(setup, "vegas", 0.1)
+  assert ref.mean() < 0.999
+  np.testing.assert_allclose(_alpha(setup, "vegas", 0.1, backend="interpret"), ref, atol=1e-5)
 
 
 def test_expected_tokens_and_the_paired_difference():
