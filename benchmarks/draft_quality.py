@@ -197,6 +197,9 @@ def main(argv):
     cli.fail(prog, f"stride must be in 1..gamma + 1 = {fv.gamma + 1}, got {fv.stride}")
   if fv.temperature <= 0:
     cli.fail(prog, "temperature must be > 0: under greedy decoding alpha is 0 or 1 per draft")
+  if fv.backend == "pallas" and jax.default_backend() != "gpu":
+    cli.fail(prog, f"--backend=pallas runs the kernels on a GPU; jax's backend here is "
+                   f"{jax.default_backend()} (--backend=interpret runs them on a CPU, slowly)")
   from jaxspec.io.loading import load_model
   dtype = jnp.float32 if fv.dtype == "float32" else jnp.bfloat16
   loaded = load_model(fv.model, dtype=dtype)

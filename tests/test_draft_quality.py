@@ -87,7 +87,8 @@ def test_bad_settings_are_one_line_errors(setup):
 @pytest.mark.parametrize("args,message", [
     (["--stride=10"], "stride must be in 1..gamma + 1 = 9, got 10"),
     (["--methods=vegas,magic"], "unknown self-drafting methods ['magic']"),
-    (["--temperature=0"], "temperature must be > 0")])
+    (["--temperature=0"], "temperature must be > 0"),
+    (["--backend=pallas"], "--backend=pallas runs the kernels on a GPU; jax's backend here is cpu")])
 def test_the_command_refuses_bad_settings_in_one_line(tmp_path, args, message):
   out = tmp_path / "dq.json"
   res = run_module("benchmarks.draft_quality", *args, f"--out={out}", timeout=300)
