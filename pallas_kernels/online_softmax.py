@@ -64,13 +64,22 @@ def init(m_rows: int, d: int) -> State:
 
 def update(state: State, s: jax.Array, v: jax.Array) -> State:
   """Fold one block in: s [M, bk] f32 base-2 logits (-inf where masked), v [bk, D] its values."""
+  return update_blocks(state, ((s, v),))
+
+
+def update_blocks(state: State, blocks: tuple[tuple[jax.Array, jax.Array], ...]) -> State:
+  """Fold several (s, v) blocks in (as `update`) under one rescale of the accumulator."""
   acc, m_i, l_i = state
-  m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+  m_new = m_i
+  for s, _ in blocks:
+    m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
   alpha = jnp.exp2(m_i - m_new)
-  p = jnp.exp2(s - m_new[:, None])
-  l_new = l_i * alpha + jnp.sum(p, axis=1)
-  # p in V's dtype (bf16) so the p.V product runs on the tensor cores, accumulating in f32.
-  acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+  l_new, acc = l_i * alpha, acc * alpha[:, None]
+  for s, v in blocks:
+    p = jnp.exp2(s - m_new[:, None])
+    l_new = l_new + jnp.sum(p, axis=1)
+    # p in V's dtype (bf16) so the p.V product runs on the tensor cores, accumulating in f32.
+    acc = acc + dot(p.astype(v.dtype), v)
   return acc, m_new, l_new
 
 

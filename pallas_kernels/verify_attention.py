@@ -42,7 +42,8 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     their summed query (summed in f32 by XLA). Where a tile of at most 64 rows has a padding row
     (M > G*T), that query, in the queries' dtype, rides in the tile's last row, and the kernel
     stores that row of the main product's [M, block_k] logits, in K's dtype: no product of its
-    own (`logits_store`). Otherwise it is a second product k [block_k, D] @ qsum^T [D, 16] of the K
+    own (`logits_store`); at head_dim < 128 (64-key blocks) its blocks that every row sees run
+    two an iteration, under one rescale of the accumulator. Otherwise it is a second product k [block_k, D] @ qsum^T [D, 16] of the K
     tile already staged (the sum as a bf16 high + low pair: exact to about 2^-16), keys on the
     rows, so the per-key sum stays inside a warp (summing rows of the logit tile would cross
     every warp of the MMA layout), stored in f32. Either way the scores go straight to HBM as
@@ -68,9 +69,9 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     at head_dim 128, whose scored kernel would not fit shared memory at 128); 8 warps for a
     128-row scored tile at head_dim < 128, else 4; default splits: at most ~4 programs per SM (at
     head_dim 128 one program fills an SM, so a partial last wave costs a whole one), ~6 for
-    'logits' scores with a 64-row query tile (never splits of exactly 64 blocks at head_dim 128),
-    ~8 for a decode-sized tile (16 rows) without scores at head_dim < 128 (`tiling`, with the
-    measurements).
+    the product's 'logits' scores with a 64-row query tile (never splits of exactly 64 blocks at
+    head_dim 128), ~8 for a decode-sized tile (16 rows) without scores at head_dim < 128
+    (`tiling`, with the measurements).
 
 Backend: Pallas's Triton lowering: the kernel streams at the copy rate (below), so Mosaic GPU has
 little left to win here and has no row gather on Hopper for `sparse_attention`. Deprecated from
@@ -89,7 +90,9 @@ At Qwen2.5-0.5B shapes inside a Vegas round (B=64 x 24576, T=5; fifth session's 
 per layer with scores, 197.0 without. Collect-2 over scores off, 8 chained calls (H200, forty-sixth
 session), from the padding row against the product: the 1.5B at B=128 x 24576, T=9, +3.8% against
 +8.0% (B=64: +5.5% against +9.5%); Qwen3-8B, B=4 x 131072, T=12, +5.1% against +8.1%; the 0.5B at
-B=128 x 24576, T=9, +16.7% against +24.6% (B=64, T=7: +11.6% against +20.2%).
+B=128 x 24576, T=9, +16.7% against +24.6% (B=64, T=7: +11.6% against +20.2%). With the plain
+kernel's split count and, at head_dim 64, paired blocks (forty-ninth session): the 1.5B +3.5-4.1%,
+Qwen3-8B T=12 +2.6%, the 0.5B +7.8-11.4%.
 How the kernel got here: benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
@@ -209,7 +212,7 @@ def _hi_lo(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, g: int,
                    block_k: int, split_len: int, score_mode: str | None, tree: bool,
-                   store_rows: int = 0):
+                   store_rows: int = 0, paired: bool = False):
   # len_ref  []       int32  cache entries before the T new tokens
   # q_ref    [M, D]   bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
   # k_ref    [S, D]          this KV head's keys (the BlockSpec squeezes the head; row stride Hkv*D)
@@ -230,6 +233,7 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   #   the softmax uses; -inf where masked), written only for the keys below kv_end
   #   or 'pad' [S] in K's dtype: the scaled base-2 logits of the tile's last row, a padding row
   #   that holds the collected rows' summed query
+  # paired: the blocks every row sees run two an iteration, under one rescale of the accumulator
   refs = list(refs)
   qsum_ref = None if score_mode in (None, "store", "pad") else refs.pop(0)
   if tree:
@@ -265,6 +269,15 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     # The last row's logits go to score_ref[j], every other row's past its end (masked off).
     pad_row = (jnp.arange(m_rows) == m_rows - 1)[:, None]                  # [M, 1]
     pad_offsets = jnp.where(pad_row, 0, k_ref.shape[0])
+
+  def store_pad_row(s, cols, live):
+    # The summed query's row of the logit tile, each thread storing the entries it holds: a
+    # store takes a value shaped like its destination, so every row gets an address, the other
+    # rows' past the end of score_ref (masked off; an interpret-mode scatter drops them). In
+    # K's dtype: from a bf16 cache an f32 row outgrows shared memory at head_dim 128 with
+    # 128-key blocks (the store seems to convert the tile's layout there).
+    plgpu.store(score_ref.at[pad_offsets + cols[None, :]], s.astype(score_ref.dtype),
+                mask=pad_row if live is None else pad_row & live[None, :])
 
   def step(i, carry, masked):
     j0 = start + i * block_k
@@ -305,19 +318,30 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       plgpu.store(score_ref.at[:, pl.ds(j0, block_k)], s,
                   mask=(keep & live[None, :]) if masked else keep)
     elif score_mode == "pad":
-      # The summed query's row of the logit tile, each thread storing the entries it holds: a
-      # store takes a value shaped like its destination, so every row gets an address, the other
-      # rows' past the end of score_ref (masked off; an interpret-mode scatter drops them). In
-      # K's dtype: from a bf16 cache an f32 row outgrows shared memory at head_dim 128 with
-      # 128-key blocks (the store seems to convert the tile's layout there).
-      plgpu.store(score_ref.at[pad_offsets + cols[None, :]], s.astype(score_ref.dtype),
-                  mask=(pad_row & live[None, :]) if masked else pad_row)
+      store_pad_row(s, cols, live if masked else None)
     return online_softmax.update(carry, s, v)
+
+  def pair(i, carry):
+    # Two unmasked blocks (no tree; scores off or 'pad'): one rescale and one set of row
+    # reductions' waits per 2 * block_k keys. At head_dim 64 with the padding row's store this
+    # halves what the store costs over scores off (benchmarks/RESULTS.md, forty-ninth session).
+    blocks = []
+    for j0 in (start + 2 * i * block_k, start + (2 * i + 1) * block_k):
+      k = k_ref[pl.ds(j0, block_k), :]
+      s = online_softmax.dot_t(q, k) * qk_scale
+      if score_mode == "pad":
+        store_pad_row(s, j0 + jnp.arange(block_k), None)
+      blocks.append((s, v_ref[pl.ds(j0, block_k), :]))
+    return online_softmax.update_blocks(carry, tuple(blocks))
 
   carry = online_softmax.init(m_rows, d)
   if k_ref.shape[0] < block_k:     # a cache shorter than one block: masked blocks only
     n_full = 0
-  carry = jax.lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+  first_single = 0
+  if paired:
+    carry = jax.lax.fori_loop(0, n_full // 2, pair, carry)
+    first_single = 2 * (n_full // 2)
+  carry = jax.lax.fori_loop(first_single, n_full, functools.partial(step, masked=False), carry)
   carry = jax.lax.fori_loop(n_full, n_blocks, functools.partial(step, masked=True), carry)
   acc, m_i, l_i = carry
   o_ref[...] = acc
@@ -412,7 +436,8 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, *refs, sm_scale: float, 
 # Unbatched pallas_call wrappers (one sequence; the public function vmaps them over the batch)
 
 def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, block_k,
-                      num_splits, score_mode, num_warps, num_stages, interpret, store_rows=0):
+                      num_splits, score_mode, num_warps, num_stages, interpret, store_rows=0,
+                      paired=False):
   """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16 or 2R, D] or None, tree None or
   (full [], end [], bits [M]) (see _verify_kernel)
 
@@ -425,7 +450,7 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
   p = pl.cdiv(s, split_len)
   kernel = functools.partial(_verify_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
                              split_len=split_len, score_mode=score_mode, tree=tree is not None,
-                             store_rows=store_rows)
+                             store_rows=store_rows, paired=paired)
   in_specs = [pl.BlockSpec((), lambda h, i: ()),
               pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
               pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
@@ -568,9 +593,10 @@ def _own_columns(o: jax.Array, hkv: int) -> jax.Array:
 
 def tiling(b: int, t: int, hq: int, hkv: int, d: int, s: int, score_kind: str | None,
            block_k: int | None = None, num_warps: int | None = None,
-           num_splits: int | None = None) -> tuple[int, int, int]:
+           num_splits: int | None = None,
+           logits_store: bool = False) -> tuple[int, int, int]:
   """`verify_attention`'s (block_k, num_warps, num_splits) for these shapes: the given ones, and
-  the defaults for those left None."""
+  the defaults for those left None. `logits_store`: 'logits' scores from the padding row."""
   m_rows = pow2_rows(t * (hq // hkv))
   if block_k is None:
     # Measured (benchmarks/NOTES_kernels.md): 128 is fastest with scores off (T=1, 8, 12; H100 and
@@ -588,7 +614,11 @@ def tiling(b: int, t: int, hq: int, hkv: int, d: int, s: int, score_kind: str | 
     num_warps = 8 if m_rows >= 128 and d < 128 and score_kind is not None else 4
   if num_splits:
     return block_k, num_warps, num_splits
-  scored = score_kind == "logits" and m_rows >= 64
+  # The padding row's store (`logits_store`) runs best at the plain kernel's count (an H200, 8
+  # chained calls, over scores off: the 1.5B at B=64 x 24576, T=9, 4 splits +4.2% against 6's
+  # +6.2%; Qwen3-8B at B=4 x 131072, T=12, 16 splits +4.1% against 24's +5.7%; the 0.5B's,
+  # paired, 2 and 4 splits the best of 2-6 and 3-12; benchmarks/RESULTS.md, forty-ninth session).
+  scored = score_kind == "logits" and m_rows >= 64 and not logits_store
   if scored:
     # Measured on an H200 (kernels.py --plan=scores, two runs): the scored kernel with a 64-row
     # tile wants more programs than the plain one, rounded down: Qwen3-8B B=4 x 131072, T=12:
@@ -692,8 +722,16 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
     raise ValueError(f"T={t} new tokens do not fit a cache of {s}")
   g = hq // hkv
   m_rows = pow2_rows(t * g)
+  pad_free = m_rows > t * g
+  if logits_store is None:
+    logits_store = (score_kind == "logits" and not per_row and tree_bits is None and pad_free
+                    and m_rows <= 64 and d <= 128)
+  elif logits_store and (score_kind != "logits" or per_row or tree_bits is not None
+                         or not pad_free):
+    raise ValueError("logits_store needs collected 'logits' scores, not per row, without a tree, "
+                     f"and a padding row in the {m_rows}-row query tile ({t} x {g} rows used)")
   block_k, num_warps, splits = tiling(b, t, hq, hkv, d, s, score_kind, block_k, num_warps,
-                                      num_splits)
+                                      num_splits, logits_store)
   scale = d ** -0.5 if sm_scale is None else sm_scale
   rows = None if score_kind is None else normalize_rows(score_rows, t)
 
@@ -715,13 +753,6 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
                      and 8 * store_rows <= d * k.dtype.itemsize)
   elif weights_store and (score_kind != "weights" or per_row or tree is not None):
     raise ValueError("weights_store needs collected 'weights' scores, not per row, without a tree")
-  pad_free = m_rows > t * g
-  if logits_store is None:
-    logits_store = (score_kind == "logits" and not per_row and tree is None and pad_free
-                    and m_rows <= 64 and d <= 128)
-  elif logits_store and (score_kind != "logits" or per_row or tree is not None or not pad_free):
-    raise ValueError("logits_store needs collected 'logits' scores, not per row, without a tree, "
-                     f"and a padding row in the {m_rows}-row query tile ({t} x {g} rows used)")
   if weights_store:
     score_mode = "store"
   elif logits_store:
@@ -730,8 +761,12 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
     score_mode, qsum = "rows", _row_queries(qp, t, g, r_rows, k.dtype)
   elif score_kind == "logits":
     score_mode, qsum = "sum", _summed_query(qp, row_idx, k.dtype)
+  # Two key blocks an iteration where the padding row's store runs at head_dim < 128 (64-key
+  # blocks); at head_dim 128 (128-key blocks) a pair of 64-key blocks was 29-33% slower.
+  paired = score_mode == "pad" and d < 128
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
-                                    score_mode=score_mode, store_rows=store_rows, **common))(
+                                    score_mode=score_mode, store_rows=store_rows, paired=paired,
+                                    **common))(
                                         qp, k, v, lengths, qsum, tree)
   o, lse2 = combine_splits(*outs[:3])                   # [B,Hkv,M,D], [B,Hkv,M]
   out = online_softmax.unpack_queries(o, t, g).astype(qp.dtype)

@@ -189,6 +189,18 @@ def test_padding_row_and_product_logits_match_the_reference(t, hq, hkv, d, heads
       f"verify_attention_t{t}_g{hq // hkv}_d{d}_scores_sum"}
 
 
+def test_padding_row_kernel_pairs_its_blocks_below_head_dim_128():
+  """At head_dim 64 the padding row's kernel folds the blocks every row sees two an iteration (a
+  third loop; PAD_CASES check its results); at head_dim 128, and with scores off, it does not."""
+  def loops(d, **opts):
+    q, k = jnp.zeros((1, 9, 7, d), jnp.bfloat16), jnp.zeros((1, 64, 1, d), jnp.bfloat16)
+    return str(jax.make_jaxpr(lambda q, k: va.verify_attention(
+        q, k, k, jnp.zeros((1,), jnp.int32), interpret=True, **opts))(q, k)).count("while[")
+  assert loops(64, score_kind="logits") == 3
+  assert loops(64, score_kind="logits", logits_store=False) == 2
+  assert loops(64) == loops(128) == loops(128, score_kind="logits") == 2
+
+
 def test_logits_store_is_chosen_where_a_tile_of_at_most_64_rows_has_one_free():
   """The defaults: the padding row where a tile of at most 64 rows has one free (the 0.5B's and
   the 1.5B's 9-row rounds); the product where the rows fill the tile or outgrow 64; asking for
@@ -370,6 +382,12 @@ def test_verify_defaults_keep_long_rounds_within_the_gpu():
   assert tiling(128, 9, 12, 2, 128, 24576, "logits")[2] == 2
   assert tiling(64, 9, 12, 2, 128, 24576, "logits")[2] == 6           # 32 blocks each
   assert tiling(4, 13, 32, 8, 128, 131072, "logits")[2] == 24         # 43 blocks each
+  # The padding row's store takes the plain kernel's ~4 programs an SM, 64 blocks a split or not.
+  store = functools.partial(tiling, logits_store=True)
+  assert store(64, 9, 12, 2, 128, 24576, "logits")[2] == 4
+  assert store(4, 12, 32, 8, 128, 131072, "logits")[2] == 16
+  assert store(128, 9, 14, 2, 64, 24576, "logits") == (64, 4, 2)
+  assert store(64, 7, 14, 2, 64, 24576, "logits") == (64, 4, 4)
   assert tiling(128, 11, 12, 2, 128, 24576, "logits", 32, 2, 5) == (32, 2, 5)   # given knobs
 
 
