@@ -43,14 +43,14 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     (M > G*T), that query, in the queries' dtype, rides in the tile's last row, and the kernel
     stores that row of the main product's [M, block_k] logits, in K's dtype: no product of its
     own (`logits_store`); at head_dim < 128 (64-key blocks) its blocks that every row sees run
-    two an iteration, under one rescale of the accumulator. Otherwise it is a second product k [block_k, D] @ qsum^T [D, 16] of the K
-    tile already staged (the sum as a bf16 high + low pair: exact to about 2^-16), keys on the
-    rows, so the per-key sum stays inside a warp (summing rows of the logit tile would cross
-    every warp of the MMA layout), stored in f32. Either way the scores go straight to HBM as
-    [B, Hkv, S], 1/D-2/D extra traffic, and XLA sums the Hkv partials, applies the -inf rule and
-    casts to bf16. The all-rows mode costs the same as Collect-2. Per-row 'logits' use each row's
-    head-summed query in one [block_k, R] product (R = T rounded up to 16), stored key-major
-    [B, Hkv, S, R] f32.
+    two an iteration, under one rescale of the accumulator. Otherwise it is a second product
+    k [block_k, D] @ qsum^T [D, 16] of the K tile already staged (the sum as a bf16 high + low
+    pair: exact to about 2^-16), keys on the rows, so the per-key sum stays inside a warp
+    (summing rows of the logit tile would cross every warp of the MMA layout), stored in f32. Either
+    way the scores go straight to HBM as [B, Hkv, S], 1/D-2/D extra traffic, and XLA sums the Hkv
+    partials, applies the -inf rule and casts to bf16. The all-rows mode costs the same as
+    Collect-2. Per-row 'logits' use each row's head-summed query in one [block_k, R] product (R = T
+    rounded up to 16), stored key-major [B, Hkv, S, R] f32.
   * 'weights' scores need the final log-sum-exp, known only after the combine. Where few packed
     rows are collected (a draft step: T = 1, G heads), the main pass stores their scaled logits
     ([Hkv, M, S] f32, the rows up to the last collected one) and XLA applies the lse after the
@@ -91,8 +91,8 @@ per layer with scores, 197.0 without. Collect-2 over scores off, 8 chained calls
 session), from the padding row against the product: the 1.5B at B=128 x 24576, T=9, +3.8% against
 +8.0% (B=64: +5.5% against +9.5%); Qwen3-8B, B=4 x 131072, T=12, +5.1% against +8.1%; the 0.5B at
 B=128 x 24576, T=9, +16.7% against +24.6% (B=64, T=7: +11.6% against +20.2%). With the plain
-kernel's split count and, at head_dim 64, paired blocks (forty-ninth session): the 1.5B +3.5-4.1%,
-Qwen3-8B T=12 +2.6%, the 0.5B +7.8-11.4%.
+kernel's split count and, at head_dim 64, paired blocks (forty-ninth session, two calls): the 1.5B
++3.3-4.1%, Qwen3-8B T=12 +2.4-2.6%, the 0.5B +6.8-11.4%.
 How the kernel got here: benchmarks/NOTES_kernels.md.
 """
 from __future__ import annotations
@@ -322,9 +322,9 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     return online_softmax.update(carry, s, v)
 
   def pair(i, carry):
-    # Two unmasked blocks (no tree; scores off or 'pad'): one rescale and one set of row
-    # reductions' waits per 2 * block_k keys. At head_dim 64 with the padding row's store this
-    # halves what the store costs over scores off (benchmarks/RESULTS.md, forty-ninth session).
+    # Two unmasked blocks of the padding row's kernel (no tree): one rescale, with its row
+    # reductions, per 2 * block_k keys. At head_dim 64 it ran +7% over scores off this way, +15%
+    # a block an iteration (the 0.5B's shapes; benchmarks/RESULTS.md, forty-ninth session).
     blocks = []
     for j0 in (start + 2 * i * block_k, start + (2 * i + 1) * block_k):
       k = k_ref[pl.ds(j0, block_k), :]
