@@ -270,16 +270,9 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     pad_row = (jnp.arange(m_rows) == m_rows - 1)[:, None]                  # [M, 1]
     pad_offsets = jnp.where(pad_row, 0, k_ref.shape[0])
 
-  def store_pad_row(s, cols, live):
-    # The summed query's row of the logit tile, each thread storing the entries it holds: a
-    # store takes a value shaped like its destination, so every row gets an address, the other
-    # rows' past the end of score_ref (masked off; an interpret-mode scatter drops them). In
-    # K's dtype: from a bf16 cache an f32 row outgrows shared memory at head_dim 128 with
-    # 128-key blocks (the store seems to convert the tile's layout there).
-    plgpu.store(score_ref.at[pad_offsets + cols[None, :]], s.astype(score_ref.dtype),
-                mask=pad_row if live is None else pad_row & live[None, :])
-
-  def step(i, carry, masked):
+  def block(i, masked):
+    # Block i's logits s [M, bk] (masked where a row does not see a key) and values, its scores
+    # stored.
     j0 = start + i * block_k
     cols = j0 + jnp.arange(block_k)
     if masked:
@@ -318,21 +311,23 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       plgpu.store(score_ref.at[:, pl.ds(j0, block_k)], s,
                   mask=(keep & live[None, :]) if masked else keep)
     elif score_mode == "pad":
-      store_pad_row(s, cols, live if masked else None)
-    return online_softmax.update(carry, s, v)
+      # The summed query's row of the logit tile, each thread storing the entries it holds: a
+      # store takes a value shaped like its destination, so every row gets an address, the other
+      # rows' past the end of score_ref (masked off; an interpret-mode scatter drops them). In
+      # K's dtype: from a bf16 cache an f32 row outgrows shared memory at head_dim 128 with
+      # 128-key blocks (the store seems to convert the tile's layout there).
+      plgpu.store(score_ref.at[pad_offsets + cols[None, :]], s.astype(score_ref.dtype),
+                  mask=(pad_row & live[None, :]) if masked else pad_row)
+    return s, v
+
+  def step(i, carry, masked):
+    return online_softmax.update(carry, *block(i, masked))
 
   def pair(i, carry):
-    # Two unmasked blocks of the padding row's kernel (no tree): one rescale, with its row
-    # reductions, per 2 * block_k keys. At head_dim 64 it ran +7% over scores off this way, +15%
-    # a block an iteration (the 0.5B's shapes; benchmarks/RESULTS.md, forty-ninth session).
-    blocks = []
-    for j0 in (start + 2 * i * block_k, start + (2 * i + 1) * block_k):
-      k = k_ref[pl.ds(j0, block_k), :]
-      s = online_softmax.dot_t(q, k) * qk_scale
-      if score_mode == "pad":
-        store_pad_row(s, j0 + jnp.arange(block_k), None)
-      blocks.append((s, v_ref[pl.ds(j0, block_k), :]))
-    return online_softmax.update_blocks(carry, tuple(blocks))
+    # Unmasked blocks 2i and 2i + 1 under one rescale, with its row reductions. At head_dim 64
+    # the padding row's kernel ran +7% over scores off this way, +15% a block an iteration (the
+    # 0.5B's shapes; benchmarks/RESULTS.md, forty-ninth session).
+    return online_softmax.update_blocks(carry, (block(2 * i, False), block(2 * i + 1, False)))
 
   carry = online_softmax.init(m_rows, d)
   if k_ref.shape[0] < block_k:     # a cache shorter than one block: masked blocks only
