@@ -23,7 +23,9 @@ exchange is a figure free of sampling noise whose differences between methods ar
 rounds' attention is the pure-JAX reference's by default, which runs on any device; with
 `--backend=pallas` (a GPU) the verification and draft passes run the engine's kernels, whose
 Collect-2 scores are computed and rounded as the engine's are, so two trees' kernels can be
-compared on the same rounds. The passages' prefill stays on the reference.
+compared on the same rounds. The passages' prefill stays on the reference. `--draft_mlp=model,fp8`
+runs each method's draft passes with the model's MLP weights and with FP8 copies of them
+(`jaxspec.model.fp8`, what `RunConfig.fp8_drafts` drafts with), on the same rounds.
 
 Output: a markdown table on stdout (alpha by position, expected tokens a round with its standard
 error, and the paired difference from the first method), the settings and per-round alphas as
@@ -34,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import itertools
 import sys
 
 import jax
@@ -50,6 +53,7 @@ from jaxspec.drafting.policies import SELF_DRAFTING, SelectionPolicy, make_polic
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams, probabilities
 from jaxspec.model.attention import BACKENDS, Dense
+from jaxspec.model.fp8 import add_fp8_mlps
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
 
@@ -72,23 +76,27 @@ def define_flags() -> None:
   flags.DEFINE_float("top_p", 0.95, "1 = off")
   flags.DEFINE_integer("top_k", 20, "0 = off")
   flags.DEFINE_integer("seed", 0, "passages' and continuation's seed")
+  flags.DEFINE_list("draft_mlp", ["model"], "the draft passes' MLP weights, each method run once "
+                    "per entry: 'model' (the model's own) and 'fp8' (FP8 copies, "
+                    "jaxspec.model.fp8; rows 'METHOD fp8')")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and cache")
   flags.DEFINE_enum("backend", "reference", list(BACKENDS), "attention of the verification and "
                     "draft passes (module docstring)")
   flags.DEFINE_string("out", "benchmarks/out/draft_quality.json", "JSON results")
 
 
+DRAFT_MLP = ("model", "fp8")
 _PREFILL_CHUNK = 512   # tokens per prefill pass: the reference attention's [T, S] logits stay small
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "logits", "backend"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "logits", "backend", "fp8_mlp"))
 def _forward(graphdef, state, cache: KVCache, tokens, plan, logits: bool = True,
-             backend: str = "reference"):
+             backend: str = "reference", fp8_mlp: bool = False):
   """T tokens after cache.lengths -> (logits [B, T, V] f32, or None without `logits`; the cache
   with their K/V written; scores or None)."""
   model = nnx.merge(graphdef, state)
   hidden, cache, scores = model(tokens, cache.chain_positions(tokens.shape[1]), cache, plan,
-                                backend=backend)
+                                backend=backend, fp8_mlp=fp8_mlp)
   return (model.logits(hidden) if logits else None), cache, scores
 
 
@@ -110,10 +118,12 @@ def _at(cache: KVCache, length: int) -> KVCache:
 def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
                         policy: SelectionPolicy, *, gamma: int, stride: int, rounds: int,
                         sampling: SamplingParams, cache_dtype=jnp.float32,
-                        backend: str = "reference", progress: bool = False) -> np.ndarray:
+                        backend: str = "reference", fp8_mlp: bool = False,
+                        progress: bool = False) -> np.ndarray:
   """alpha [rounds, B, gamma]: each draft's acceptance probability under `policy` (module doc),
   teacher-forced on tokens [B, >= context + rounds * stride + gamma + 1], the first `context` of
-  which are the prompt; the rounds' attention on `backend` (the prefill's on the reference)."""
+  which are the prompt; the rounds' attention on `backend` (the prefill's on the reference);
+  `fp8_mlp`: the draft passes' MLPs multiply by their FP8 copies (`jaxspec.model.fp8`)."""
   b, n = tokens.shape
   need = context + rounds * stride + gamma + 1
   if n < need:
@@ -139,7 +149,7 @@ def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
     plan = _select(policy, _at(cache, nxt), scores, jnp.full((b,), p, jnp.int32),
                    jnp.full((b,), stride - 1, jnp.int32))
     q, _, _ = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma], plan,
-                       backend=backend)
+                       backend=backend, fp8_mlp=fp8_mlp)
     # The drafts' K/V stay in that pass (its cache is dropped): verification writes the target's
     # own at those positions, as it overwrites the drafts' in the engine.
     logits, cache, scores = verify(cache, nxt)
@@ -195,6 +205,8 @@ def main(argv):
       cli.fail(prog, f"{name} must be >= 1, got {value}")
   if not 1 <= fv.stride <= fv.gamma + 1:
     cli.fail(prog, f"stride must be in 1..gamma + 1 = {fv.gamma + 1}, got {fv.stride}")
+  if not fv.draft_mlp or set(fv.draft_mlp) - set(DRAFT_MLP):
+    cli.fail(prog, f"--draft_mlp takes {' and '.join(DRAFT_MLP)}, got {fv.draft_mlp}")
   if fv.temperature <= 0:
     cli.fail(prog, "temperature must be > 0: under greedy decoding alpha is 0 or 1 per draft")
   if fv.backend == "pallas" and jax.default_backend() != "gpu":
@@ -223,14 +235,17 @@ def main(argv):
                   sparsity=fv.sparsity, min_tokens=fv.min_tokens, backend=fv.backend,
                   sampling=dataclasses.asdict(sampling), seed=fv.seed, device=device_name(),
                   commit=git_commit(), date=datetime.date.today().isoformat(), argv=sys.argv)
+  if "fp8" in fv.draft_mlp:
+    add_fp8_mlps(loaded.model)
   rows, first = [], None
-  for method in fv.methods:
+  for method, mlp in itertools.product(fv.methods, fv.draft_mlp):
     policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
                          k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens))
     alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
                                 rounds=rounds, sampling=sampling, cache_dtype=dtype,
-                                backend=fv.backend, progress=True)
-    rows.append(dict(method=method, **summary(alpha, first), alpha=alpha.round(5).tolist()))
+                                backend=fv.backend, fp8_mlp=mlp == "fp8", progress=True)
+    rows.append(dict(method=method if mlp == "model" else f"{method} fp8", draft_mlp=mlp,
+                     **summary(alpha, first), alpha=alpha.round(5).tolist()))
     first = alpha if first is None else first
     write_json(fv.out, dict(settings, rows=rows))
   print(table(rows))

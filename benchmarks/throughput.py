@@ -65,7 +65,9 @@ planner with run-time refinement (`jaxspec.engine.planner`); both over the same 
 of SSV strategies plans with --draft_model (and --ssv_schedule for the reuse classes).
 --tp=N shards the model (and the draft model) over N devices (`jaxspec.model.sharding`); the
 copy ceiling in the JSON is still one device's. --disaggregate (short and long workloads) prefills
-the refills on a second device while the first one decodes (`Runner.serve`).
+the refills on a second device while the first one decodes (`Runner.serve`). --fp8_drafts runs
+the speculative methods' draft steps on FP8 copies of the MLP weights (`jaxspec.model.fp8`, one
+device); the JSON's header says so.
 """
 from __future__ import annotations
 
@@ -172,6 +174,10 @@ _PLAN = flags.DEFINE_string("plan", None, "a planner profile JSON (benchmarks.pl
 _FUSE = flags.DEFINE_bool("fuse_projections", True, "run the models with q/k/v and gate/up "
                           "each fused into one GEMM (jaxspec.model.transformer.fuse_projections), "
                           "as jaxspec.generate does; on one device (--tp > 1 keeps them apart)")
+_FP8_DRAFTS = flags.DEFINE_bool("fp8_drafts", False, "speculative methods' draft steps multiply "
+                                "by FP8 copies of the MLP weights (jaxspec.model.fp8); "
+                                "verification keeps the model's weights, so the text's "
+                                "distribution is unchanged")
 _PROMPT_BUCKETS = flags.DEFINE_integer("prompt_buckets", PROMPT_BUCKETS, "padded prompt lengths "
                                        "per power of two (a power of two; 1: powers of two)")
 _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a second device "
@@ -318,7 +324,8 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
                 min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
                 draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
                 sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
-                tree_order=_TREE_ORDER.value, prompt_buckets=_PROMPT_BUCKETS.value, **settings)
+                tree_order=_TREE_ORDER.value, prompt_buckets=_PROMPT_BUCKETS.value,
+                fp8_drafts=_FP8_DRAFTS.value and method != "none", **settings)
 
 
 def scale_state(runner: Runner, batch: int, context: int, max_len: int, steps_total: int):
@@ -526,8 +533,8 @@ def main(argv):
                 sampling=dict(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
-                fuse_projections=_fusing(), prompt_buckets=_PROMPT_BUCKETS.value,
-                argv=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""))
+                fuse_projections=_fusing(), fp8_drafts=_FP8_DRAFTS.value,
+                prompt_buckets=_PROMPT_BUCKETS.value, argv=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
     draft_model = load(_DRAFT_MODEL.value, _TP.value)[0] if _DRAFT_MODEL.value else None

@@ -8,6 +8,7 @@ from benchmarks.draft_quality import (cache_capacity, expected_acceptance, expec
                                       summary)
 from jaxspec.drafting.policies import make_policy, static_k_max
 from jaxspec.engine.sampling import SamplingParams
+from jaxspec.model.fp8 import add_fp8_mlps
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.transformer import init_random
 from subproc import run_module
@@ -64,6 +65,17 @@ def test_the_kernels_give_the_references_alphas(setup):
   np.testing.assert_allclose(_alpha(setup, "vegas", 0.1, backend="interpret"), ref, atol=1e-5)
 
 
+def test_fp8_drafts_change_only_the_drafts(setup):
+  """Dense drafts with FP8 MLPs: verification keeps the model's weights, so the drafts' q now
+  differs from p (alpha below 1), by little (alpha near 1)."""
+  model, tokens = setup
+  add_fp8_mlps(model)
+  policy = make_policy("dense", ratio=0.07, min_tokens=4, k_max=CAPACITY)
+  alpha = expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
+                              rounds=ROUNDS, sampling=PAPER, fp8_mlp=True)
+  assert 0.9 < alpha.mean() < 0.9999
+
+
 def test_expected_tokens_and_the_paired_difference():
   alpha = np.array([[[1.0, 1.0, 0.5], [0.5, 0.5, 0.5]]])        # [rounds, B, gamma]
   np.testing.assert_allclose(expected_tokens(alpha), [[3.5, 1.875]])
@@ -88,6 +100,7 @@ def test_bad_settings_are_one_line_errors(setup):
     (["--stride=10"], "stride must be in 1..gamma + 1 = 9, got 10"),
     (["--methods=vegas,magic"], "unknown self-drafting methods ['magic']"),
     (["--temperature=0"], "temperature must be > 0"),
+    (["--draft_mlp=model,int4"], "--draft_mlp takes model and fp8, got ['model', 'int4']"),
     (["--backend=pallas"], "--backend=pallas runs the kernels on a GPU; jax's backend here is cpu")])
 def test_the_command_refuses_bad_settings_in_one_line(tmp_path, args, message):
   out = tmp_path / "dq.json"

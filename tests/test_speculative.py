@@ -241,11 +241,12 @@ def small_draft_model():
   return sharpen(init_random(cfg, dtype=jnp.float32, seed=2), head=20.0)
 
 
-@pytest.mark.parametrize("method", ["vegas", "draft"])
-def test_speculative_sampling_is_plain_sampling(small, method):
+@pytest.mark.parametrize("method, fp8_drafts", [("vegas", False), ("draft", False), ("vegas", True)])
+def test_speculative_sampling_is_plain_sampling(small, method, fp8_drafts):
+  """With FP8 drafts too (`jaxspec.model.fp8`): they change q, never the output's distribution."""
   model, prompt, probs = small
   kw = dict(draft_model=small_draft_model()) if method == "draft" else {}
-  samples, stats = sample_sequences(model, prompt, method, **kw)
+  samples, stats = sample_sequences(model, prompt, method, fp8_drafts=fp8_drafts, **kw)
   assert stats.extra["acceptance_by_position"][0] < 0.97    # drafts differ from the target
   assert chi2_pvalue(sequence_counts(samples, len(probs)), probs, min_expected=5) > 1e-3
 

@@ -11,7 +11,7 @@ from jaxspec.model.transformer import Transformer
 
 
 def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan, backend: str,
-                gamma: int, key: jax.Array, sampling: SamplingParams
+                gamma: int, key: jax.Array, sampling: SamplingParams, fp8_mlp: bool = False
                 ) -> tuple[KVCache, jax.Array, jax.Array | None, jax.Array | None]:
   """Feed `first` [B, T0] at cache slots (and positions) cache.lengths.., sample d_1 from its last
   row, then feed d_1..d_{gamma-1} one at a time (a `lax.scan`), sampling d_2..d_gamma.
@@ -21,7 +21,7 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
   `top_k_drafts(sampling, V)`, else [B, gamma, V], or None when greedy, whose verification needs
   only the tokens; the scores `plan` asks for, one entry per step [gamma, L, B, ...] (step i's
   rows are those that sampled d_{i+1}), or None). Step i uses the i-th of gamma keys split from
-  `key`.
+  `key`. `fp8_mlp`: the steps' MLPs multiply by their FP8 copies (`jaxspec.model.fp8`).
   """
   start = cache.lengths
   step_keys = jax.random.split(key, gamma)
@@ -30,7 +30,7 @@ def draft_chain(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan
   def step(cache, tokens, offset, step_key):
     positions = start[:, None] + offset + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     hidden, cache, scores = model(tokens, positions, cache.replace(lengths=start + offset), plan,
-                                  backend)
+                                  backend, fp8_mlp)
     # In the model's dtype: the sampler converts only the values it reads, and a float32 copy of
     # the rows would be a pass of its own (28 us a draft step at B = 128 and a 152K vocabulary).
     logits = model.logits(hidden[:, -1], dtype=None)

@@ -77,10 +77,11 @@ class DraftModelDrafter:
     scores = None
     if config.tree is None:
       cache, drafts, probs, scores = draft_chain(draft, cache, first, plan, config.backend,
-                                                 config.gamma, sub, config.sampling)
+                                                 config.gamma, sub, config.sampling,
+                                                 config.fp8_drafts)
     else:
       cache, drafts, probs = draft_tree(draft, cache, first, plan, config.backend, config.tree,
-                                        sub, config.sampling)
+                                        sub, config.sampling, config.fp8_drafts)
     state = state.replace(decode=ds.replace(key=key), drafter=dm.replace(cache=cache))
     return state, drafts, probs, scores
 

@@ -56,10 +56,12 @@ class SelfDrafter:
     cache = ds.cache.replace(lengths=start)
     if config.tree is None:
       cache, drafts, probs, _ = draft_chain(target, cache, ds.last_token[:, None], state.drafter,
-                                            config.backend, config.gamma, sub, config.sampling)
+                                            config.backend, config.gamma, sub, config.sampling,
+                                            config.fp8_drafts)
     else:
       cache, drafts, probs = draft_tree(target, cache, ds.last_token[:, None], state.drafter,
-                                        config.backend, config.tree, sub, config.sampling)
+                                        config.backend, config.tree, sub, config.sampling,
+                                        config.fp8_drafts)
     return state.replace(decode=ds.replace(cache=cache, key=key)), drafts, probs
 
   def verify_plan(self, state: SpecState) -> Dense:

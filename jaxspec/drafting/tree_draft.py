@@ -56,7 +56,7 @@ def _children(key: jax.Array, logits: jax.Array, width: int, sampling: SamplingP
 
 
 def draft_tree(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan, backend: str,
-               tree: Tree, key: jax.Array, sampling: SamplingParams
+               tree: Tree, key: jax.Array, sampling: SamplingParams, fp8_mlp: bool = False
                ) -> tuple[KVCache, jax.Array, jax.Array | None]:
   """Feed `first` [B, T0] (its last token is the root) at cache.lengths.., then draft `tree`.
 
@@ -64,6 +64,7 @@ def draft_tree(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan,
   unchanged; drafts [B, T - 1] for nodes 1..T-1 in `tree`'s order; q [B, T, V] in `tree`'s order,
   row i the distribution node i's children were drawn from (zeros for leaves), or None when
   greedy). Depth d uses the d-th of tree.depth keys split from `key`, as chain step d does.
+  `fp8_mlp`: the steps' MLPs multiply by their FP8 copies (`jaxspec.model.fp8`).
   """
   bfs, to_bfs = tree.flatten("bfs"), tree.bfs_index
   depths = np.asarray(bfs.depths)
@@ -73,7 +74,7 @@ def draft_tree(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan,
   b = first.shape[0]
 
   positions = start[:, None] + jnp.arange(t0, dtype=jnp.int32)[None]
-  hidden, cache, _ = model(first, positions, cache, plan, backend)
+  hidden, cache, _ = model(first, positions, cache, plan, backend, fp8_mlp)
   logits = model.logits(hidden[:, -1:])                              # [B, 1, V]: the root's row
   tokens = [jnp.zeros((b, 1), jnp.int32)]                            # bfs order; root filled later
   q_rows = []
@@ -94,7 +95,7 @@ def draft_tree(model: Transformer, cache: KVCache, first: jax.Array, plan: Plan,
     step_plan = tree_plan(plan, bfs.ancestor_bits[nxt], offset)
     positions = jnp.broadcast_to(base[:, None] + d + 1, (b, len(nxt)))
     hidden, cache, _ = model(tokens[-1], positions, cache.replace(lengths=base + offset),
-                             step_plan, backend)
+                             step_plan, backend, fp8_mlp)
     logits = model.logits(hidden)                                    # [B, n_{d+1}, V]
 
   bfs_tokens = jnp.concatenate(tokens, axis=1)                       # [B, T]

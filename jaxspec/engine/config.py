@@ -22,7 +22,9 @@ class RunConfig:
   gamma its depth (the most drafts a round accepts); None drafts a chain of gamma; offload: where
   the target's KV cache lives (`jaxspec.engine.offload`; default on the device); ssv: an NSA
   target's verification schedule (`jaxspec.ssv.SSVConfig`, method 'ssv'; None: plain NSA or
-  dense verification).
+  dense verification); fp8_drafts: the draft steps' MLPs multiply by FP8 copies of their weights
+  (`jaxspec.model.fp8.add_fp8_mlps`, which the drafting model must have); verification and
+  prefill keep the model's weights, so the output distribution is unchanged.
   """
   capacity: int
   sampling: SamplingParams = SamplingParams()
@@ -34,6 +36,7 @@ class RunConfig:
   tree: Any = None
   offload: OffloadConfig = OffloadConfig()
   ssv: Any = None
+  fp8_drafts: bool = False
 
   def __post_init__(self):
     check_backend(self.backend)
@@ -50,6 +53,8 @@ class RunConfig:
       raise ValueError("an offloaded KV cache is verified in speculative rounds over a chain")
     if self.ssv is not None and self.drafter is None:
       raise ValueError("an SSV verification schedule needs a speculative run")
+    if self.fp8_drafts and self.drafter is None:
+      raise ValueError("fp8_drafts needs a speculative run: vanilla decoding drafts nothing")
 
   @property
   def speculative(self) -> bool:

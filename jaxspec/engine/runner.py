@@ -79,7 +79,7 @@ from jaxspec.engine.speculative import acceptance_summary, speculative_chunk, ve
 from jaxspec.engine.state import (PROMPT_BUCKETS, SpecState, bucket, capacity_for,
                                   check_prompt_buckets, decode_state, make_batch)
 from jaxspec.engine.vanilla import decode_chunk
-from jaxspec.model import sharding
+from jaxspec.model import fp8, sharding
 from jaxspec.model.attention import check_backend, default_backend
 from jaxspec.model.transformer import Transformer
 
@@ -241,7 +241,10 @@ class Runner:
   method, gamma, sparsity, tree, ssv_class and ssv_group unset then (one cache, sized for the
   largest strategy, serves them all). prompt_buckets: how many padded prompt lengths per power of
   two (`jaxspec.engine.state.prompt_bucket`; 1: the powers of two): more lengths pad less and
-  compile more prefills.
+  compile more prefills. fp8_drafts: the draft steps' MLPs multiply by FP8 copies of their
+  weights, which the runner adds to the drafting model (the draft model, else the target) in
+  place (`jaxspec.model.fp8.add_fp8_mlps`; one device only); verification keeps the target's
+  weights, so the output distribution is unchanged.
   Bad arguments raise a one-line ValueError (`jaxspec.requests`, `jaxspec.model.sharding`).
   """
 
@@ -256,7 +259,7 @@ class Runner:
                head_map: "sts_map.HeadMap | None" = None, kv_offload: str = "device",
                planner: Planner | None = None, ssv_class: str | None = None,
                ssv_group: int | None = None, refresh: Sequence[bool] | None = None,
-               prompt_buckets: int = PROMPT_BUCKETS):
+               prompt_buckets: int = PROMPT_BUCKETS, fp8_drafts: bool = False):
     self.prompt_buckets = check_prompt_buckets(prompt_buckets)
     self.planner = planner
     if planner is not None:
@@ -339,6 +342,11 @@ class Runner:
       sharding.check_divides(draft_model.cfg, self.mesh, "the draft model")
       draft_model = sharding.shard_model(draft_model, self.mesh)
     model = sharding.shard_model(model, self.mesh)
+    self.fp8_drafts = bool(fp8_drafts)
+    if self.fp8_drafts:
+      if method == "none":
+        raise ValueError("fp8_drafts needs a speculative method: vanilla decoding drafts nothing")
+      fp8.add_fp8_mlps(model if draft_model is None else draft_model)
     self.model, self.draft_model = model, draft_model
     target_gd, target_params = nnx.split(model)
     draft_gd, draft_params = nnx.split(draft_model) if draft_model is not None else (None, None)
@@ -376,7 +384,8 @@ class Runner:
           score_kind=self.score_kind, backend=self.backend, mesh=self.mesh))
     config = RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                        backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
-                       drafter=drafter, tree=self.tree, offload=self.offload, ssv=self.ssv)
+                       drafter=drafter, tree=self.tree, offload=self.offload, ssv=self.ssv,
+                       fp8_drafts=self.fp8_drafts)
     if strategy is None:
       return config
     return strategy.run_config(config, min_tokens=self.min_tokens, score_kind=self.score_kind,

@@ -3,7 +3,8 @@
 Parameter paths mirror HF names (`layers/3/self_attn/q_proj/kernel` for
 `model.layers.3.self_attn.q_proj.weight`, transposed), so the weight mapping tables in
 `jaxspec.io.weights` stay one line per tensor. `fuse_projections` (opt-in, after loading) replaces
-q/k/v and gate/up by one `qkv_proj` and one `gate_up_proj` each.
+q/k/v and gate/up by one `qkv_proj` and one `gate_up_proj` each; `jaxspec.model.fp8.add_fp8_mlps`
+(opt-in) gives the MLPs FP8 copies of their weights, which a pass called with `fp8_mlp=True` uses.
 
 `Transformer.__call__(tokens, positions, cache, plan, backend)` runs T new tokens per sequence:
 `positions` [B, T] are their RoPE positions (a chain passes cache.lengths + t; a tree would pass
@@ -36,6 +37,7 @@ from jaxspec.model import nsa
 from jaxspec.model import sharding
 from jaxspec.model.attention import NSA, Plan, as_nsa, attend, rope_write, writes_in_kernel
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.fp8 import has_fp8_mlps
 from jaxspec.model.rope import apply_rope, rope_tables
 from jaxspec.model.sharding import HEADS, REPLICATED, constrain
 
@@ -157,7 +159,11 @@ class MLP(nnx.Module):
     self.up_proj = _linear(h, i, False, dtype, param_dtype, rngs)
     self.down_proj = _linear(i, h, False, dtype, param_dtype, rngs)
 
-  def __call__(self, x, mesh):
+  def __call__(self, x, mesh, fp8: bool = False):
+    """fp8: multiply by the weights' FP8 copies (`jaxspec.model.fp8.add_fp8_mlps`)."""
+    if fp8:
+      gate, up = jnp.split(self.fp8_gate_up(x), 2, axis=-1)
+      return self.fp8_down(jax.nn.silu(gate) * up)   # one device: nothing to constrain
     if hasattr(self, "gate_up_proj"):    # fuse_projections
       gate, up = jnp.split(_project(self.gate_up_proj, x), 2, axis=-1)
     else:
@@ -172,20 +178,21 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
     self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh):
+  def __call__(self, x, cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh,
+               fp8_mlp=False):
     a, k_cache, v_cache, scores = self.self_attn(
         self.input_layernorm(x), cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh)
     x = x + a
-    x = x + self.mlp(self.post_attention_layernorm(x), mesh)
+    x = x + self.mlp(self.post_attention_layernorm(x), mesh, fp8_mlp)
     return x, k_cache, v_cache, scores
 
   def nsa_call(self, x, cos, sin, slots, k_cache, v_cache, ck, cv, lengths, plan, indices,
-               backend, mesh):
+               backend, mesh, fp8_mlp=False):
     a, k_cache, v_cache, ck, cv, indices = self.self_attn.nsa_call(
         self.input_layernorm(x), cos, sin, slots, k_cache, v_cache, ck, cv, lengths, plan,
         indices, backend, mesh)
     x = x + a
-    x = x + self.mlp(self.post_attention_layernorm(x), mesh)
+    x = x + self.mlp(self.post_attention_layernorm(x), mesh, fp8_mlp)
     return x, k_cache, v_cache, ck, cv, indices
 
 
@@ -203,13 +210,18 @@ class Transformer(nnx.Module):
       self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, param_dtype, rngs)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kvc.KVCache, plan: Plan,
-               backend: str = "reference") -> tuple[jax.Array, kvc.KVCache, jax.Array | None]:
+               backend: str = "reference", fp8_mlp: bool = False
+               ) -> tuple[jax.Array, kvc.KVCache, jax.Array | None]:
     """tokens, positions [B, T] -> (hidden [B, T, H], cache with the new K/V written,
     scores [L, B, ...] | None, L the layers the plan's `ScoreSpec` collects). `backend`: see `jaxspec.model.attention.BACKENDS`. An NSA model
     runs `as_nsa(plan)` and returns no scores; an `NSA(collect=True)` plan, every layer's selected
-    blocks [L, B, T, Hkv, n] instead."""
+    blocks [L, B, T, Hkv, n] instead. `fp8_mlp`: the MLPs multiply by their FP8 copies
+    (`jaxspec.model.fp8.add_fp8_mlps`; a ValueError without them)."""
+    if fp8_mlp and not has_fp8_mlps(self):
+      raise ValueError("fp8_mlp=True needs the MLPs' FP8 copies: call "
+                       "jaxspec.model.fp8.add_fp8_mlps(model) first")
     if self.cfg.nsa is not None:
-      return self._nsa_forward(tokens, positions, cache, as_nsa(plan), backend)
+      return self._nsa_forward(tokens, positions, cache, as_nsa(plan), backend, fp8_mlp)
     t = tokens.shape[1]
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     cos, sin = rope_tables(self.cfg, positions)
@@ -217,7 +229,7 @@ class Transformer(nnx.Module):
     ks, vs, scores = [], [], []
     for i, layer in enumerate(self.layers):
       x, k, v, s = layer(x, cos, sin, slots, cache.k[i], cache.v[i], cache.lengths,
-                         plan.for_layer(i), backend, self.mesh)
+                         plan.for_layer(i), backend, self.mesh, fp8_mlp)
       ks.append(k)
       vs.append(v)
       if s is not None:
@@ -225,7 +237,8 @@ class Transformer(nnx.Module):
     cache = cache.replace(k=tuple(ks), v=tuple(vs))
     return self.norm(x), cache, (jnp.stack(scores) if scores else None)
 
-  def _nsa_forward(self, tokens, positions, cache: kvc.KVCache, plan: NSA, backend: str):
+  def _nsa_forward(self, tokens, positions, cache: kvc.KVCache, plan: NSA, backend: str,
+                   fp8_mlp: bool):
     """`__call__` of an NSA model: the layers under the plan's refresh/reuse schedule."""
     t = tokens.shape[1]
     slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
@@ -238,9 +251,10 @@ class Transformer(nnx.Module):
       args = (x, cos, sin, slots, cache.k[i], cache.v[i], cache.ck[i], cache.cv[i], cache.lengths,
               plan)
       if plan.refresh_mask is not None and indices is not None:
-        *_, own = self.layers[i].nsa_call(*args, None, backend, self.mesh)
+        *_, own = self.layers[i].nsa_call(*args, None, backend, self.mesh, fp8_mlp)
         indices = jnp.where(plan.refresh_mask[i], own, indices)
-      x, *layer_cache, indices = self.layers[i].nsa_call(*args, indices, backend, self.mesh)
+      x, *layer_cache, indices = self.layers[i].nsa_call(*args, indices, backend, self.mesh,
+                                                         fp8_mlp)
       caches.append(layer_cache)
       return None, indices
 
