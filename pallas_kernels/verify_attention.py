@@ -40,10 +40,13 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     split count and the combine are the ones `sparse_attention` uses (`online_softmax`).
   * 'logits' scores: q.k is linear in q, so the collected rows' summed logits are the logits of
     their summed query (summed in f32 by XLA). Where a tile of at most 64 rows has a padding row
-    (M > G*T), that query, in the queries' dtype, rides in the tile's last row, and the kernel
-    stores that row of the main product's [M, block_k] logits, in K's dtype: no product of its
-    own (`logits_store`); at head_dim < 128 (64-key blocks) its blocks that every row sees run
-    two an iteration, under one rescale of the accumulator. Otherwise it is a second product
+    (M > G*T), or rows that fill a tile of at most 32 can take one of twice the rows (Qwen3-8B's
+    T = 8: 32 rows in 64), that query, in the queries' dtype, rides in the tile's last row, and
+    the kernel stores that row of the main product's [M, block_k] logits, in K's dtype: no
+    product of its own (`logits_store`); at head_dim < 128 (64-key blocks) its blocks that every
+    row sees run two an iteration, under one rescale of the accumulator. At Qwen3-8B's T = 8 the
+    doubled tile cost +4.8-5.7% over scores off against the product's +7.4-8.7% (an H200,
+    benchmarks/RESULTS.md, fiftieth session). Otherwise it is a second product
     k [block_k, D] @ qsum^T [D, 16] of the K tile already staged (the sum as a bf16 high + low
     pair: exact to about 2^-16), keys on the rows, so the per-key sum stays inside a warp
     (summing rows of the logit tile would cross every warp of the MMA layout), stored in f32. Either
@@ -687,7 +690,7 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   of the logit tile in K's dtype (from a bf16 cache each KV head's partial is rounded before XLA
   sums them: scores about a bf16 ulp from the product's). False takes a separate k @ qsum
   product. None (the default) stores wherever a padding row is free in a tile of at most 64 rows
-  (the shapes measured) at head_dim <= 128.
+  (the shapes measured) at head_dim <= 128, doubling a tile of at most 32 rows that the rows fill.
   """
   _check_shapes(q, k, v, lengths)
   if score_kind not in (None, "logits", "weights"):
@@ -718,19 +721,25 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   g = hq // hkv
   m_rows = pow2_rows(t * g)
   pad_free = m_rows > t * g
+  # A tile the rows fill takes twice the rows for the store, where that stays within 64.
+  pad_tile = m_rows if pad_free else 2 * m_rows
+  collected = score_kind == "logits" and not per_row and tree_bits is None
   if logits_store is None:
-    logits_store = (score_kind == "logits" and not per_row and tree_bits is None and pad_free
-                    and m_rows <= 64 and d <= 128)
-  elif logits_store and (score_kind != "logits" or per_row or tree_bits is not None
-                         or not pad_free):
+    logits_store = collected and pad_tile <= 64 and d <= 128
+  elif logits_store and not (collected and (pad_free or pad_tile <= 64)):
     raise ValueError("logits_store needs collected 'logits' scores, not per row, without a tree, "
-                     f"and a padding row in the {m_rows}-row query tile ({t} x {g} rows used)")
+                     f"and a padding row in the {m_rows}-row query tile ({t} x {g} rows used), "
+                     "or a full tile of at most 32 rows")
+  if logits_store:
+    m_rows = pad_tile
   block_k, num_warps, splits = tiling(b, t, hq, hkv, d, s, score_kind, block_k, num_warps,
                                       num_splits, logits_store)
   scale = d ** -0.5 if sm_scale is None else sm_scale
   rows = None if score_kind is None else normalize_rows(score_rows, t)
 
   qp = q.rows if packed else online_softmax.pack_queries(q, hkv, m_rows)   # row r = t*G + g
+  if qp.shape[2] < m_rows:                                                  # a widened tile
+    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_rows - qp.shape[2]), (0, 0)))
   lengths = lengths.astype(jnp.int32)
   tree = None
   if tree_bits is not None:

@@ -164,6 +164,7 @@ PAD_CASES = [
     (9, 7, 1, 64, "mean", dict(block_k=16, num_splits=3)),   # 63 of 64 rows: one padding row
     (2, 14, 2, 64, "kv", dict(block_k=16, num_splits=2)),    # per KV head
     (7, 4, 1, 128, "mean", {}),                              # head_dim 128, default knobs
+    (8, 8, 2, 64, "mean", dict(block_k=16, num_splits=2)),   # 32 of 32 rows: a 64-row tile
 ]
 
 
@@ -203,14 +204,16 @@ def test_padding_row_kernel_pairs_its_blocks_below_head_dim_128():
 
 def test_logits_store_is_chosen_where_a_tile_of_at_most_64_rows_has_one_free():
   """The defaults: the padding row where a tile of at most 64 rows has one free (the 0.5B's and
-  the 1.5B's 9-row rounds); the product where the rows fill the tile or outgrow 64; asking for
-  the padding row where it cannot run is an error."""
+  the 1.5B's 9-row rounds) or where rows that fill a tile of at most 32 get one of twice the rows
+  (Qwen3-8B's 8-row rounds); the product where the rows fill 64 or outgrow it; asking for the
+  padding row where it cannot run is an error."""
   names = functools.partial(_kernel_names, hkv=2, score_kind="logits")
   assert names(9, 14, 64) == {"verify_attention_t9_g7_d64_scores_pad"}       # 63 of 64 rows
   assert names(9, 12, 128) == {"verify_attention_t9_g6_d128_scores_pad"}     # 54 of 64
-  assert names(8, 8, 64) == {"verify_attention_t8_g4_d64_scores_sum"}        # 32 of 32
+  assert names(8, 8, 64) == {"verify_attention_t8_g4_d64_scores_pad"}        # 32 of 32: 64
+  assert names(16, 8, 64) == {"verify_attention_t16_g4_d64_scores_sum"}      # 64 of 64
   assert names(10, 14, 64) == {"verify_attention_t10_g7_d64_scores_sum"}     # 70 of 128
-  full, free = (jnp.zeros((1, t, 4, 64), jnp.bfloat16) for t in (8, 2))   # 32 and 8 rows
+  full, free = (jnp.zeros((1, t, 4, 64), jnp.bfloat16) for t in (16, 2))  # 64 and 8 rows
   k = jnp.zeros((1, 32, 1, 64), jnp.bfloat16)
   lengths = jnp.zeros((1,), jnp.int32)
   for q, opts in ((full, dict(score_kind="logits")),
