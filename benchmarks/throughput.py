@@ -534,7 +534,8 @@ def main(argv):
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
                 fuse_projections=_fusing(), fp8_drafts=_FP8_DRAFTS.value,
-                prompt_buckets=_PROMPT_BUCKETS.value, argv=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""))
+                prompt_buckets=_PROMPT_BUCKETS.value, argv=" ".join(sys.argv),
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
     draft_model = load(_DRAFT_MODEL.value, _TP.value)[0] if _DRAFT_MODEL.value else None

@@ -241,7 +241,8 @@ def small_draft_model():
   return sharpen(init_random(cfg, dtype=jnp.float32, seed=2), head=20.0)
 
 
-@pytest.mark.parametrize("method, fp8_drafts", [("vegas", False), ("draft", False), ("vegas", True)])
+@pytest.mark.parametrize("method, fp8_drafts",
+                         [("vegas", False), ("draft", False), ("vegas", True)])
 def test_speculative_sampling_is_plain_sampling(small, method, fp8_drafts):
   """With FP8 drafts too (`jaxspec.model.fp8`): they change q, never the output's distribution."""
   model, prompt, probs = small
