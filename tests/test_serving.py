@@ -204,6 +204,27 @@ def test_throughput_scale_trace_reports_family_shares(monkeypatch, capsys):
   assert "dense attention 75.0%, sparse attention 0.0%" in capsys.readouterr().err
 
 
+def test_throughput_fp8_drafts_apply_to_speculative_entries_only():
+  """--fp8_drafts: a speculative entry's runner drafts with FP8 MLP copies (added to the model);
+  vanilla's entry in the same run takes none rather than failing."""
+  from absl import flags
+  from absl.testing import flagsaver
+  from benchmarks import throughput
+  from jaxspec.engine.sampling import SamplingParams
+  from jaxspec.model import fp8
+  from jaxspec.model.config import ModelConfig
+  from jaxspec.model.transformer import init_random
+  flags.FLAGS.mark_as_parsed()
+  cfg = ModelConfig(arch="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+  model = init_random(cfg, dtype=jnp.bfloat16)
+  with flagsaver.flagsaver(fp8_drafts=True):
+    vanilla = throughput.make_runner(model, None, "none", SamplingParams(), (), "reference")
+    assert not vanilla.fp8_drafts and not fp8.has_fp8_mlps(model)
+    vegas = throughput.make_runner(model, None, "vegas:3", SamplingParams(), (), "reference")
+    assert vegas.fp8_drafts and vegas.config(64).fp8_drafts and fp8.has_fp8_mlps(model)
+
+
 def test_throughput_method_entries():
   """--methods entries: method, method@ratio, method:gamma, method@ratio:gamma; the rest from
   --sparsity and --gammas (entry, then method, then default)."""
