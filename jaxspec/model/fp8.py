@@ -30,10 +30,14 @@ B = 128 x 24K 2.4-2.9% faster, and the real 1.5B's drafts 1.6% fewer expected to
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+if TYPE_CHECKING:   # transformer.py imports this module
+  from jaxspec.model.transformer import Transformer
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0     # e4m3's largest finite value; a convert past it gives NaN, not infinity
@@ -85,7 +89,7 @@ def _quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
   return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
-def add_fp8_mlps(model) -> "Transformer":
+def add_fp8_mlps(model: Transformer) -> Transformer:
   """Give every layer's MLP FP8 copies of its weights (`fp8_gate_up`, `fp8_down`), in place;
   returns the model. The model's own weights stay, for the passes that do not ask for FP8.
   Idempotent. One device only: a ValueError for a tensor-parallel model."""
@@ -109,5 +113,6 @@ def add_fp8_mlps(model) -> "Transformer":
   return model
 
 
-def has_fp8_mlps(model) -> bool:
+def has_fp8_mlps(model: Transformer) -> bool:
+  """Whether every layer's MLP has its FP8 copies (`add_fp8_mlps`)."""
   return all(hasattr(layer.mlp, "fp8_gate_up") for layer in model.layers)
