@@ -64,10 +64,15 @@ def _check(qkv, cos, sin, k_cache, v_cache, lengths, num_heads, q_norm, k_norm):
     raise ValueError(f"RoPE needs an even head_dim, got {d}")
 
 
-def _rms(x, w, eps, dtype):
-  """Per-row RMSNorm of float32 rows x [N, D] with weights w [D], rounded to `dtype`, as float32."""
-  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-  return (w * y).astype(dtype).astype(jnp.float32)
+def _inv_rms(x, eps):
+  """1 / RMS of each float32 row of x [N, D], as [N, 1]."""
+  return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _rms(x, w, inv, dtype):
+  """RMSNorm of float32 rows x [N, D] with weights w [D] and inverse RMS `inv` [N, 1], rounded
+  to `dtype`, as float32."""
+  return (w * (x * inv)).astype(dtype).astype(jnp.float32)
 
 
 def _rotate(x, xr, c, s, sign):
@@ -87,7 +92,7 @@ def rope_write_reference(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_cache
   if q_norm is not None:
     def norm(x, w):
       xf = x.astype(jnp.float32)
-      return _rms(xf, w.astype(jnp.float32), eps, x.dtype).astype(x.dtype)
+      return _rms(xf, w.astype(jnp.float32), _inv_rms(xf, eps), x.dtype).astype(x.dtype)
     q, k = norm(q, q_norm), norm(k, k_norm)
 
   def rope(x):
@@ -134,9 +139,11 @@ def _rope_write_kernel(len_ref, qkv_ref, cos_ref, sin_ref, *refs, t: int, g: int
     xr = plgpu.load(qkv_ref.at[src[:, None], rot[None, :]], mask=live[:, None],
                     other=0.).astype(jnp.float32)
     if norm_ref is not None:
-      # The rotated copy has the row's own sum of squares; only the weights move with it.
-      x = _rms(x, norm_ref[...].astype(jnp.float32), eps, dtype)
-      xr = _rms(xr, plgpu.load(norm_ref.at[rot]).astype(jnp.float32), eps, dtype)
+      # The rotated copy takes the row's own scale: summed again in its permuted order, it can
+      # round differently and move a bf16 output by one step.
+      inv = _inv_rms(x, eps)
+      x = _rms(x, norm_ref[...].astype(jnp.float32), inv, dtype)
+      xr = _rms(xr, plgpu.load(norm_ref.at[rot]).astype(jnp.float32), inv, dtype)
     c = plgpu.load(cos_ref.at[tok[:, None], cols[None, :]], mask=live[:, None], other=0.)
     s = plgpu.load(sin_ref.at[tok[:, None], cols[None, :]], mask=live[:, None], other=0.)
     return _rotate(x, xr, c, s, sign)

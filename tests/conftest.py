@@ -48,6 +48,18 @@ def pytest_collection_modifyitems(items):
   items.sort(key=rank)   # stable: each file keeps its own order
 
 
+# The kernel and top-p tests draw fresh random inputs each run, so runs cover more cases; the
+# seed is chosen here, before the xdist workers start (they inherit it), and printed at the end
+# of the report, under -q too: JAXSPEC_TEST_SEED=N repeats a run's draws.
+SEED_ENV = "JAXSPEC_TEST_SEED"
+os.environ.setdefault(SEED_ENV, str(int.from_bytes(os.urandom(4), "little")))
+
+
+def pytest_terminal_summary(terminalreporter):
+  terminalreporter.write_line(
+      f"random test inputs: {SEED_ENV}={os.environ[SEED_ENV]} (set it to repeat them)")
+
+
 _XLA_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 _MIN_COMPILE_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 

@@ -1,8 +1,9 @@
 """topp_select (sorting-free top-p) against its sort-based reference, and the reference against a
 float64 top-p. One batch of rows covers every case (continuous weights, ties, all-equal rows,
 zero rows, special values, a long tail, rows shorter than the cap, rows over it), so each method
-compiles once per p. Fresh random weights each session."""
+compiles once per p. Fresh random weights each run (the seed is in pytest's report: conftest.py)."""
 import functools
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from pallas_kernels import topk_select as tk
 from pallas_kernels import topp_select as tp
 
-_RNG = np.random.default_rng()
+_RNG = np.random.default_rng(int(os.environ["JAXSPEC_TEST_SEED"]))   # conftest.py
 S, K_MAX = 520, 320                   # 520 = 8 blocks of 64 + 8
 _PALLAS = dict(method="pallas", interpret=True, block=64)
 # row -> (what it is, its length); built by _batch
