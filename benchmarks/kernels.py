@@ -33,6 +33,7 @@ from jaxspec.drafting import sts
 from jaxspec.drafting.specattn import SpecAttnConfig, capped_union, kept_union, row_sets
 from jaxspec.drafting.trees import Tree
 from jaxspec import cli
+from pallas_kernels import rope_write as _rope
 from pallas_kernels import sparse_attention as _sparse
 from pallas_kernels import verify_attention as _verify
 from pallas_kernels.sparse_attention import sparse_attention_reference
@@ -71,7 +72,7 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "ga
                   "verify kernel at the 1.5B's shapes, B 16-64, 32K, T = 5, 10% budget")
 flags.DEFINE_string("sts_map", "benchmarks/results/maps/sts_map_k256.qwen2_5-coder-0_5b.json",
                     "the head map whose draft heads --plan=sts selects from")
-flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree"],
+flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree", "rope"],
                   "kernel groups --check runs")
 flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
 
@@ -374,6 +375,39 @@ def check_all() -> bool:
     except Exception as e:
       ok = False
       print(f"FAIL topp {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+  # rope_write: the 1.5B's and 0.5B's draft step and verification, Qwen3-8B's with its q/k norms.
+  for (t, hq, hkv, d, norm) in [(1, 12, 2, 128, False), (9, 12, 2, 128, False),
+                                (1, 14, 2, 64, False), (9, 14, 2, 64, False),
+                                (8, 32, 8, 128, True)]:
+    if "rope" not in groups:
+      break
+    try:
+      b, s = 3, 1000
+      qkv = rand(t + 17, (b, t, hq + 2 * hkv, d))
+      angles = jax.random.uniform(jax.random.PRNGKey(t), (b, t, d), jnp.float32, 0, 50)
+      cos, sin = jnp.cos(angles), jnp.sin(angles)
+      k, v = cache(b, s, hkv, d, seed=t + 19)
+      lengths = jnp.array([0, 517, s - t], jnp.int32)
+      norms = dict(q_norm=rand(t + 23, (d,)), k_norm=rand(t + 29, (d,))) if norm else {}
+      want = _rope.rope_write_reference(qkv, cos, sin, k, v, lengths, num_heads=hq, **norms)
+      got = _rope.rope_write(qkv, cos, sin, k, v, lengths, num_heads=hq,
+                             interpret=FLAGS.interpret, **norms)
+      # Rotated rows within one bf16 step (whether the rotation rounds once, as an FMA, is the
+      # compiler's choice); values bit for bit.
+      off, within = [], True
+      for g_, w_ in ((got[0].rows, want[0].rows), (got[1], want[1])):
+        a, r = np.asarray(g_, np.float32), np.asarray(w_, np.float32)
+        off.append(int((a != r).sum()))
+        within &= bool(np.all(np.abs(a - r) <= 2.0 ** -7 * np.abs(r) + 1e-5))
+      same_v = bool(np.array_equal(np.asarray(got[2]), np.asarray(want[2])))
+      good = within and same_v
+      print(("PASS " if good else "FAIL ") + f"rope_write T={t} {hq}/{hkv}/{d} norms={norm}: "
+            f"queries / keys off the reference's bits {off[0]} / {off[1]} (within one step "
+            f"{within}), values bit for bit {same_v}", flush=True)
+      ok &= good
+    except Exception as e:
+      ok = False
+      print(f"FAIL rope_write T={t}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
   return ok
 
 
