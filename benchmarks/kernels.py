@@ -234,6 +234,14 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
+CHECKS: list[str] = []   # each check's PASS / FAIL line, for the JSON
+
+
+def check_line(line: str, flush: bool = True) -> None:
+  print(line, flush=flush)
+  CHECKS.append(line)
+
+
 def check_all() -> bool:
   ok = True
   print("== GPU checks against the references", flush=True)
@@ -271,11 +279,11 @@ def check_all() -> bool:
                            for i in range(2)])
         good &= same_mask and se < 2e-2
         msg += f", scores err {se:.1e}, -inf pattern {same_mask}, top-{kk} overlap {overlap:.3f}"
-      print(("PASS " if good else "FAIL ") + msg, flush=True)
+      check_line(("PASS " if good else "FAIL ") + msg, flush=True)
       ok &= good
     except Exception as e:
       ok = False
-      print(f"FAIL verify T={t} {hq}/{hkv}/{d} {kind}: {type(e).__name__}: {str(e)[:3000]}",
+      check_line(f"FAIL verify T={t} {hq}/{hkv}/{d} {kind}: {type(e).__name__}: {str(e)[:3000]}",
             flush=True)
   rng = np.random.default_rng(0)
   for (t, hq, hkv, d, per_head, kk) in [(1, 32, 8, 128, False, 300), (8, 32, 8, 128, True, 300),
@@ -304,12 +312,12 @@ def check_all() -> bool:
       ref = sparse_attention_reference(*args)
       e = rel_err(out, ref)
       good = e < 1e-2 and not bool(jnp.isnan(out).any())
-      print(("PASS " if good else "FAIL ") + f"sparse T={t} {hq}/{hkv}/{d} per_head={per_head} "
+      check_line(("PASS " if good else "FAIL ") + f"sparse T={t} {hq}/{hkv}/{d} per_head={per_head} "
             f"K={kk}: err {e:.1e}", flush=True)
       ok &= good
     except Exception as e:
       ok = False
-      print(f"FAIL sparse T={t} per_head={per_head}: {type(e).__name__}: {str(e)[:3000]}",
+      check_line(f"FAIL sparse T={t} per_head={per_head}: {type(e).__name__}: {str(e)[:3000]}",
             flush=True)
   for widths, hq, hkv, d in [((2, 2, 1, 1), 32, 8, 128), ((1, 2, 1, 1), 14, 2, 64)]:
     if "tree" not in groups:
@@ -334,12 +342,12 @@ def check_all() -> bool:
       se2 = rel_err(sparse_attention(*args, tree_bits=bits),
                     sparse_attention_reference(*args, tree_bits=bits))
       good &= se2 < 1e-2
-      print(("PASS " if good else "FAIL ") + f"tree {widths} T={t} {hq}/{hkv}/{d}: verify out err "
+      check_line(("PASS " if good else "FAIL ") + f"tree {widths} T={t} {hq}/{hkv}/{d}: verify out err "
             f"{e:.1e}, scores err {se:.1e}; sparse err {se2:.1e}", flush=True)
       ok &= good
     except Exception as e:
       ok = False
-      print(f"FAIL tree {widths}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      check_line(f"FAIL tree {widths}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
   for dt in (jnp.bfloat16, jnp.float32):
     if "topk" not in groups:
       break
@@ -353,12 +361,12 @@ def check_all() -> bool:
         a = np.asarray(topk_select(sc, lengths, k, k_max=400, method=method,
                                    interpret=FLAGS.interpret))
         good = all(set(a[i, :kn[i]]) == set(r[i, :kn[i]]) for i in range(4))
-        print(("PASS " if good else "FAIL ") + f"topk_select {method} {jnp.dtype(dt).name}",
+        check_line(("PASS " if good else "FAIL ") + f"topk_select {method} {jnp.dtype(dt).name}",
               flush=True)
         ok &= good
     except Exception as e:
       ok = False
-      print(f"FAIL topk {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      check_line(f"FAIL topk {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
   for dt in (jnp.bfloat16, jnp.float32):
     if "topp" not in groups:
       break
@@ -369,12 +377,12 @@ def check_all() -> bool:
       for method in ("threshold", "pallas") if dt == jnp.bfloat16 else ("threshold",):
         a = topp_select(w, lengths, p=0.97, k_max=2000, method=method, interpret=FLAGS.interpret)
         good = all(np.array_equal(np.asarray(x), y) for x, y in zip(a, r))
-        print(("PASS " if good else "FAIL ") + f"topp_select {method} {jnp.dtype(dt).name} "
+        check_line(("PASS " if good else "FAIL ") + f"topp_select {method} {jnp.dtype(dt).name} "
               f"(counts {r[1].tolist()})", flush=True)
         ok &= good
     except Exception as e:
       ok = False
-      print(f"FAIL topp {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      check_line(f"FAIL topp {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
   # rope_write: the 1.5B's and 0.5B's draft step and verification, Qwen3-8B's with its q/k norms.
   for (t, hq, hkv, d, norm) in [(1, 12, 2, 128, False), (9, 12, 2, 128, False),
                                 (1, 14, 2, 64, False), (9, 14, 2, 64, False),
@@ -401,13 +409,13 @@ def check_all() -> bool:
         within &= bool(np.all(np.abs(a - r) <= 2.0 ** -7 * np.abs(r) + 1e-5))
       same_v = bool(np.array_equal(np.asarray(got[2]), np.asarray(want[2])))
       good = within and same_v
-      print(("PASS " if good else "FAIL ") + f"rope_write T={t} {hq}/{hkv}/{d} norms={norm}: "
+      check_line(("PASS " if good else "FAIL ") + f"rope_write T={t} {hq}/{hkv}/{d} norms={norm}: "
             f"queries / keys off the reference's bits {off[0]} / {off[1]} (within one step "
             f"{within}), values bit for bit {same_v}", flush=True)
       ok &= good
     except Exception as e:
       ok = False
-      print(f"FAIL rope_write T={t}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      check_line(f"FAIL rope_write T={t}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
   return ok
 
 
@@ -784,7 +792,8 @@ def main(argv):
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()
   write_json(FLAGS.out, dict(device=device_name(), jax=jax.__version__, commit=git_commit(),
-                             copy_gb_s=COPY_BPS / 1e9, checks_passed=checks, results=RESULTS,
+                             copy_gb_s=None if math.isnan(COPY_BPS) else COPY_BPS / 1e9,
+                             checks_passed=checks, checks=CHECKS, results=RESULTS,
                              wall_s=time.time() - t_start))
   print(f"wrote {FLAGS.out} ({time.time() - t_start:.0f} s)")
 
