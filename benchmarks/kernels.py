@@ -237,8 +237,8 @@ def rel_err(a, b):
 CHECKS: list[str] = []   # each check's PASS / FAIL line, for the JSON
 
 
-def check_line(line: str, flush: bool = True) -> None:
-  print(line, flush=flush)
+def check_line(line: str) -> None:
+  print(line, flush=True)
   CHECKS.append(line)
 
 
@@ -279,12 +279,11 @@ def check_all() -> bool:
                            for i in range(2)])
         good &= same_mask and se < 2e-2
         msg += f", scores err {se:.1e}, -inf pattern {same_mask}, top-{kk} overlap {overlap:.3f}"
-      check_line(("PASS " if good else "FAIL ") + msg, flush=True)
+      check_line(("PASS " if good else "FAIL ") + msg)
       ok &= good
     except Exception as e:
       ok = False
-      check_line(f"FAIL verify T={t} {hq}/{hkv}/{d} {kind}: {type(e).__name__}: {str(e)[:3000]}",
-            flush=True)
+      check_line(f"FAIL verify T={t} {hq}/{hkv}/{d} {kind}: {type(e).__name__}: {str(e)[:3000]}")
   rng = np.random.default_rng(0)
   for (t, hq, hkv, d, per_head, kk) in [(1, 32, 8, 128, False, 300), (8, 32, 8, 128, True, 300),
                                          (7, 14, 2, 64, False, 0), (12, 12, 2, 128, False, 977)]:
@@ -312,13 +311,12 @@ def check_all() -> bool:
       ref = sparse_attention_reference(*args)
       e = rel_err(out, ref)
       good = e < 1e-2 and not bool(jnp.isnan(out).any())
-      check_line(("PASS " if good else "FAIL ") + f"sparse T={t} {hq}/{hkv}/{d} per_head={per_head} "
-            f"K={kk}: err {e:.1e}", flush=True)
+      check_line(("PASS " if good else "FAIL ") +
+                 f"sparse T={t} {hq}/{hkv}/{d} per_head={per_head} K={kk}: err {e:.1e}")
       ok &= good
     except Exception as e:
       ok = False
-      check_line(f"FAIL sparse T={t} per_head={per_head}: {type(e).__name__}: {str(e)[:3000]}",
-            flush=True)
+      check_line(f"FAIL sparse T={t} per_head={per_head}: {type(e).__name__}: {str(e)[:3000]}")
   for widths, hq, hkv, d in [((2, 2, 1, 1), 32, 8, 128), ((1, 2, 1, 1), 14, 2, 64)]:
     if "tree" not in groups:
       break
@@ -342,12 +340,12 @@ def check_all() -> bool:
       se2 = rel_err(sparse_attention(*args, tree_bits=bits),
                     sparse_attention_reference(*args, tree_bits=bits))
       good &= se2 < 1e-2
-      check_line(("PASS " if good else "FAIL ") + f"tree {widths} T={t} {hq}/{hkv}/{d}: verify out err "
-            f"{e:.1e}, scores err {se:.1e}; sparse err {se2:.1e}", flush=True)
+      check_line(("PASS " if good else "FAIL ") + f"tree {widths} T={t} {hq}/{hkv}/{d}: verify "
+                 f"out err {e:.1e}, scores err {se:.1e}; sparse err {se2:.1e}")
       ok &= good
     except Exception as e:
       ok = False
-      check_line(f"FAIL tree {widths}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      check_line(f"FAIL tree {widths}: {type(e).__name__}: {str(e)[:3000]}")
   for dt in (jnp.bfloat16, jnp.float32):
     if "topk" not in groups:
       break
@@ -361,12 +359,11 @@ def check_all() -> bool:
         a = np.asarray(topk_select(sc, lengths, k, k_max=400, method=method,
                                    interpret=FLAGS.interpret))
         good = all(set(a[i, :kn[i]]) == set(r[i, :kn[i]]) for i in range(4))
-        check_line(("PASS " if good else "FAIL ") + f"topk_select {method} {jnp.dtype(dt).name}",
-              flush=True)
+        check_line(("PASS " if good else "FAIL ") + f"topk_select {method} {jnp.dtype(dt).name}")
         ok &= good
     except Exception as e:
       ok = False
-      check_line(f"FAIL topk {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      check_line(f"FAIL topk {dt}: {type(e).__name__}: {str(e)[:3000]}")
   for dt in (jnp.bfloat16, jnp.float32):
     if "topp" not in groups:
       break
@@ -378,11 +375,11 @@ def check_all() -> bool:
         a = topp_select(w, lengths, p=0.97, k_max=2000, method=method, interpret=FLAGS.interpret)
         good = all(np.array_equal(np.asarray(x), y) for x, y in zip(a, r))
         check_line(("PASS " if good else "FAIL ") + f"topp_select {method} {jnp.dtype(dt).name} "
-              f"(counts {r[1].tolist()})", flush=True)
+                   f"(counts {r[1].tolist()})")
         ok &= good
     except Exception as e:
       ok = False
-      check_line(f"FAIL topp {dt}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      check_line(f"FAIL topp {dt}: {type(e).__name__}: {str(e)[:3000]}")
   # rope_write: the 1.5B's and 0.5B's draft step and verification, Qwen3-8B's with its q/k norms.
   for (t, hq, hkv, d, norm) in [(1, 12, 2, 128, False), (9, 12, 2, 128, False),
                                 (1, 14, 2, 64, False), (9, 14, 2, 64, False),
@@ -410,12 +407,12 @@ def check_all() -> bool:
       same_v = bool(np.array_equal(np.asarray(got[2]), np.asarray(want[2])))
       good = within and same_v
       check_line(("PASS " if good else "FAIL ") + f"rope_write T={t} {hq}/{hkv}/{d} norms={norm}: "
-            f"queries / keys off the reference's bits {off[0]} / {off[1]} (within one step "
-            f"{within}), values bit for bit {same_v}", flush=True)
+                 f"queries / keys off the reference's bits {off[0]} / {off[1]} (within one step "
+                 f"{within}), values bit for bit {same_v}")
       ok &= good
     except Exception as e:
       ok = False
-      check_line(f"FAIL rope_write T={t}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+      check_line(f"FAIL rope_write T={t}: {type(e).__name__}: {str(e)[:3000]}")
   return ok
 
 
