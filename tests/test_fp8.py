@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxspec.engine.config import RunConfig
 from jaxspec.engine.runner import Runner, generate
-from jaxspec.model import fp8
+from jaxspec.model import fp8, transformer
 from jaxspec.model.attention import Dense
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.kv_cache import KVCache
@@ -104,10 +104,10 @@ def test_the_norm_s_largest_output_does_not_clip():
   np.testing.assert_allclose(layer.mlp.fp8_gate_up(h), want, rtol=0.07, atol=1e-3)
 
 
-def _forward(model, tokens, fp8_mlp):
+def _forward(model, tokens, fp8_mlp, backend="reference"):
   cache = KVCache.create(model.cfg, tokens.shape[0], 32, jnp.float32)
   hidden, _, _ = model(tokens, cache.chain_positions(tokens.shape[1]), cache, Dense(),
-                       fp8_mlp=fp8_mlp)
+                       backend=backend, fp8_mlp=fp8_mlp)
   return hidden
 
 
@@ -124,14 +124,34 @@ def test_an_fp8_pass_is_close_to_the_model_s_and_needs_the_copies():
   assert float(cos.min()) > 0.999 and not np.array_equal(got, want)
 
 
+def test_an_fp8_mlp_on_the_kernel_is_the_reference_s():
+  """mlp_forward with the SwiGLU kernel (interpret mode) against its pure-JAX form, and both
+  against the MLP's own weights: the gate/up product unscaled into the kernel, down's input
+  quantized per row."""
+  model = init_random(CFG, dtype=jnp.float32, seed=7)
+  fp8.add_fp8_mlps(model)
+  mlp = model.layers[0].mlp
+  x = model.layers[0].post_attention_layernorm(
+      jax.random.normal(jax.random.PRNGKey(5), (3, 2, CFG.hidden_size)))
+  want = fp8.mlp_forward(mlp.fp8_gate_up, mlp.fp8_down, x, "reference")
+  got = fp8.mlp_forward(mlp.fp8_gate_up, mlp.fp8_down, x, "interpret")
+  assert got.shape == x.shape and got.dtype == x.dtype
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  exact = mlp(x, None)
+  assert float(jnp.linalg.norm(want - exact) / jnp.linalg.norm(exact)) < 0.08
+  gate_only = fp8.FP8Matrix(mlp.gate_proj.kernel[...])    # no bound: mlp_forward refuses it
+  with pytest.raises(ValueError, match="input bound"):
+    fp8.mlp_forward(gate_only, mlp.fp8_down, x, "reference")
+
+
 def _record_fp8_rows(monkeypatch):
-  """The rows each traced FP8 product is called with ([..., T, in] -> T)."""
+  """The rows each traced FP8 MLP is called with ([..., T, hidden] -> T)."""
   seen = []
-  call = fp8.FP8Matrix.__call__
-  def recording(self, x):
+  forward = transformer.mlp_forward
+  def recording(gate_up, down, x, backend):
     seen.append(x.shape[-2])
-    return call(self, x)
-  monkeypatch.setattr(fp8.FP8Matrix, "__call__", recording)
+    return forward(gate_up, down, x, backend)
+  monkeypatch.setattr(transformer, "mlp_forward", recording)
   return seen
 
 

@@ -18,6 +18,7 @@ import pytest
 from pallas_kernels import online_softmax
 from pallas_kernels import rope_write as rw
 from pallas_kernels import sparse_attention as sp
+from pallas_kernels import swiglu_quant as sq
 from pallas_kernels import topk_select as tk
 from pallas_kernels import verify_attention as va
 
@@ -637,6 +638,50 @@ def test_rope_write_bad_shapes():
     rw.rope_write(qkv, cs[:, :, :8], cs, cache, cache, z, num_heads=4, interpret=True)
   with pytest.raises(ValueError, match="q_norm"):
     rw.rope_write(qkv, cs, cs, cache, cache, z, num_heads=4, q_norm=jnp.ones(16), interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# swiglu_quant
+
+# (rows, activation columns, block): one chunk; a chunk and the rest in falling powers of two
+# (96 = 64 + 32, 200 = 128 + 64 + 8); the 0.5B's 4864 columns in chunks of 1024.
+@pytest.mark.parametrize("m,f,block", [(3, 64, 64), (5, 96, 64), (2, 200, 128), (4, 4864, 1024)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_swiglu_quantize(m, f, block, dtype):
+  """The kernel's e4m3 values and row scales equal the reference's; dequantized they are SwiGLU
+  within e4m3's rounding (half a step: 2^-4 of a value); no row clips, whatever its range."""
+  gate_up = _normal((m, 2 * f), jnp.float32) * jnp.exp(jnp.linspace(-8.0, 8.0, m))[:, None]
+  gate_up = gate_up.astype(dtype)
+  in_scale, w_scale = jnp.float32(0.37), jnp.float32(0.05)
+  q, row_scale = sq.swiglu_quantize(gate_up, in_scale, w_scale, block=block, interpret=True)
+  want_q, want_scale = sq.swiglu_quantize_reference(gate_up, in_scale, w_scale)
+  assert q.shape == (m, f) and q.dtype == sq.FP8 and row_scale.shape == (m,)
+  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
+  np.testing.assert_array_equal(row_scale, want_scale)
+  x = gate_up.astype(jnp.float32) * (in_scale * w_scale)
+  a = jax.nn.silu(x[:, :f]) * x[:, f:]
+  rs = np.asarray(row_scale)[:, None]
+  got, a = np.asarray(q, np.float32) * rs, np.asarray(a)
+  assert np.abs(np.asarray(q, np.float32)).max(axis=1).tolist() == [448.0] * m   # amax: no clip
+  # Half a step: 2^-4 of a normal value, 2^-10 of the row's scale among e4m3's subnormals.
+  assert np.all(np.abs(got - a) <= (2 ** -4 * np.abs(a) + 2 ** -10 * rs) * (1 + 1e-6))
+
+
+def test_swiglu_quantize_keeps_a_zero_row_finite():
+  gate_up = _normal((2, 64)).at[1].set(0)
+  q, row_scale = sq.swiglu_quantize(gate_up, jnp.float32(1), jnp.float32(1), interpret=True)
+  assert np.isfinite(np.asarray(q, np.float32)).all() and not np.asarray(q[1], np.float32).any()
+  assert float(row_scale[1]) > 0
+
+
+def test_swiglu_quantize_bad_shapes():
+  with pytest.raises(ValueError, match=r"\[M, 2F\]"):
+    sq.swiglu_quantize(jnp.zeros((4, 33)), jnp.float32(1), jnp.float32(1), interpret=True)
+  with pytest.raises(ValueError, match="scalars"):
+    sq.swiglu_quantize(jnp.zeros((4, 32)), jnp.ones(4), jnp.float32(1), interpret=True)
+  with pytest.raises(ValueError, match="power of two"):
+    sq.swiglu_quantize(jnp.zeros((4, 32)), jnp.float32(1), jnp.float32(1), block=48,
+                       interpret=True)
 
 
 # ----------------------------------------------------------------------------------------------

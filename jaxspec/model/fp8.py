@@ -13,12 +13,15 @@ pass of its own, which ate the GEMMs' gain. So:
   normalised row has RMS 1, so no entry exceeds sqrt(hidden), and the norm's weight scales it.
   Its scale is that bound over 448, fixed: nothing clips, and the quantizing fuses into the norm.
 - down_proj's input (SiLU(gate) * up) has no such bound: each row gets its own scale, its amax
-  over 448, applied to the product's row after the GEMM. XLA fuses the row reduction into the
-  SiLU's pass and the rescale into the residual add.
-On an H200, a norm, MLP and residual at the 1.5B's shapes and a draft step's 128 rows took 30.8 us
-this way against 42.1 in bfloat16 (one scale per whole input: 45.0; per-row scales on both
-inputs: 35.4); at the 0.5B's 19.5 against 22.0 (RESULTS.md, fiftieth session). q/k/v and o_proj
-gained nothing in FP8 (forty-ninth), so they stay in the model's dtype.
+  over 448, applied to the product's row after the GEMM, where XLA fuses it into the residual
+  add. On a kernel backend (`mlp_forward`) gate/up's unscaled product goes straight into
+  `pallas_kernels.swiglu_quant`, one kernel that scales it, takes SwiGLU, finds each row's amax
+  and quantizes, where XLA ran three: 3.7 us a layer-step against 7.2 at the 1.5B's shapes and a
+  draft step's 128 rows (H200, RESULTS.md, fifty-third session).
+With XLA's three kernels, a norm, MLP and residual at those shapes took 30.8 us on an H200
+against 42.1 in bfloat16 (one scale per whole input: 45.0; per-row scales on both inputs: 35.4);
+at the 0.5B's 19.5 against 22.0 (RESULTS.md, fiftieth session). q/k/v and o_proj gained nothing
+in FP8 (forty-ninth), so they stay in the model's dtype.
 
 Only drafts use the copies (`RunConfig.fp8_drafts`): verification and prefill keep the model's
 weights, so speculative sampling's output is the model's own; FP8 can only change how many drafts
@@ -26,7 +29,9 @@ are accepted. On random normal weights and inputs at the 1.5B's MLP shapes a pro
 the exact one in norm. What that nets (H200, fiftieth session): a vegas round of the 1.5B at
 B = 128 x 24K 2.4-2.9% faster, and the real 1.5B's drafts 1.6% fewer expected tokens a round at
 16K; end to end on workload (c) at B = 128, +1.0-1.2% decode-only tokens/s (fifty-second session).
-At the 0.5B's shapes the round was 0.4-0.6% slower. So it is opt-in.
+At the 0.5B's shapes the round was 0.4-0.6% slower. So it is opt-in. The SwiGLU kernel then took
+2.6% off a random-weight vegas round of the 1.5B at B = 128 x 1K (fifty-third session), which no
+end-to-end run has measured yet.
 """
 from __future__ import annotations
 
@@ -37,11 +42,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import swiglu_quant
+from pallas_kernels.swiglu_quant import FP8, FP8_MAX
+
 if TYPE_CHECKING:   # transformer.py imports this module
   from jaxspec.model.transformer import Transformer
-
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0     # e4m3's largest finite value; a convert past it gives NaN, not infinity
 
 
 class FP8Matrix(nnx.Module):
@@ -69,21 +74,45 @@ class FP8Matrix(nnx.Module):
       in_scale = _scale(rows, axis=-1)                                    # [M, 1]
     else:
       in_scale = self.input_scale[...]
-    # The widened FP8 operands' product is one FP8 GEMM to XLA's GPU GEMM rewriter; the scales
-    # (a row's own, or the fixed one) go on the product, where XLA fuses them into its consumer.
-    out = _dot(_quantize(rows, in_scale).astype(x.dtype), self.values[...].astype(x.dtype))
+    # The scales (a row's own, or the fixed one) go on the product, where XLA fuses them into
+    # its consumer.
+    out = self.product(_quantize(rows, in_scale), x.dtype)
     out = (out.astype(jnp.float32) * (in_scale * self.scale[...])).astype(x.dtype)
     return out.reshape(*lead, out.shape[-1])
 
+  def product(self, q: jax.Array, dtype) -> jax.Array:
+    """q [M, in] e4m3 -> the unscaled product q @ values.T [M, out] in `dtype`. The operands are
+    widened to `dtype` and multiplied as one dot, which XLA's GPU GEMM rewriter turns into one
+    FP8 GEMM."""
+    return jax.lax.dot_general(q.astype(dtype), self.values[...].astype(dtype),
+                               (((1,), (1,)), ((), ())), preferred_element_type=dtype)
 
-def _dot(a: jax.Array, w: jax.Array) -> jax.Array:
-  """a [M, in] @ w [out, in]^T."""
-  return jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())), preferred_element_type=a.dtype)
+
+def mlp_forward(gate_up: FP8Matrix, down: FP8Matrix, x: jax.Array, backend: str) -> jax.Array:
+  """An MLP on FP8 copies: x [..., hidden] -> down(silu(gate) * up) [..., hidden] in x's dtype.
+
+  x is quantized at gate_up's fixed input scale (XLA fuses that into the norm that made x); the
+  unscaled gate/up product goes to `pallas_kernels.swiglu_quant` (its reference on backend
+  'reference'), which scales it, takes SwiGLU and quantizes each row by its own amax; that
+  row's scale goes on down's product, with the residual add after it in one XLA kernel."""
+  if gate_up.input_scale is None:
+    raise ValueError("an FP8 MLP's gate/up copy needs its input bound (add_fp8_mlps sets it)")
+  lead, h = x.shape[:-1], x.shape[-1]
+  in_scale = gate_up.input_scale[...]
+  args = (gate_up.product(_quantize(x.reshape(-1, h), in_scale), x.dtype), in_scale,
+          gate_up.scale[...])
+  if backend == "reference":
+    q, row_scale = swiglu_quant.swiglu_quantize_reference(*args)
+  else:
+    q, row_scale = swiglu_quant.swiglu_quantize(*args, interpret=backend == "interpret")
+  out = down.product(q, x.dtype).astype(jnp.float32) * (row_scale[:, None] * down.scale[...])
+  return out.astype(x.dtype).reshape(*lead, out.shape[-1])
 
 
 def _scale(x: jax.Array, axis: int | None = None) -> jax.Array:
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None)
-  return jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / FP8_MAX
+  # Clamped after the division: tiny / 448 is subnormal, which XLA flushes to 0 (0 / 0 = NaN).
+  return jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny)
 
 
 def _quantize(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -37,7 +37,7 @@ from jaxspec.model import nsa
 from jaxspec.model import sharding
 from jaxspec.model.attention import NSA, Plan, as_nsa, attend, rope_write, writes_in_kernel
 from jaxspec.model.config import ModelConfig
-from jaxspec.model.fp8 import has_fp8_mlps
+from jaxspec.model.fp8 import has_fp8_mlps, mlp_forward
 from jaxspec.model.rope import apply_rope, rope_tables
 from jaxspec.model.sharding import HEADS, REPLICATED, constrain
 
@@ -159,11 +159,11 @@ class MLP(nnx.Module):
     self.up_proj = _linear(h, i, False, dtype, param_dtype, rngs)
     self.down_proj = _linear(i, h, False, dtype, param_dtype, rngs)
 
-  def __call__(self, x, mesh, fp8: bool = False):
-    """fp8: multiply by the weights' FP8 copies (`jaxspec.model.fp8.add_fp8_mlps`)."""
-    if fp8:
-      gate, up = jnp.split(self.fp8_gate_up(x), 2, axis=-1)
-      return self.fp8_down(jax.nn.silu(gate) * up)   # one device: nothing to constrain
+  def __call__(self, x, mesh, fp8: bool = False, backend: str = "reference"):
+    """fp8: multiply by the weights' FP8 copies (`jaxspec.model.fp8.add_fp8_mlps`), with the
+    SwiGLU between them on `backend`'s kernel."""
+    if fp8:   # one device: nothing to constrain
+      return mlp_forward(self.fp8_gate_up, self.fp8_down, x, backend)
     if hasattr(self, "gate_up_proj"):    # fuse_projections
       gate, up = jnp.split(_project(self.gate_up_proj, x), 2, axis=-1)
     else:
@@ -183,7 +183,7 @@ class DecoderLayer(nnx.Module):
     a, k_cache, v_cache, scores = self.self_attn(
         self.input_layernorm(x), cos, sin, slots, k_cache, v_cache, lengths, plan, backend, mesh)
     x = x + a
-    x = x + self.mlp(self.post_attention_layernorm(x), mesh, fp8_mlp)
+    x = x + self.mlp(self.post_attention_layernorm(x), mesh, fp8_mlp, backend)
     return x, k_cache, v_cache, scores
 
   def nsa_call(self, x, cos, sin, slots, k_cache, v_cache, ck, cv, lengths, plan, indices,
@@ -192,7 +192,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm(x), cos, sin, slots, k_cache, v_cache, ck, cv, lengths, plan,
         indices, backend, mesh)
     x = x + a
-    x = x + self.mlp(self.post_attention_layernorm(x), mesh, fp8_mlp)
+    x = x + self.mlp(self.post_attention_layernorm(x), mesh, fp8_mlp, backend)
     return x, k_cache, v_cache, ck, cv, indices
 
 
