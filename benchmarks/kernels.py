@@ -1,4 +1,5 @@
-"""Kernel benchmark: verify / sparse attention and top-k selection against the roofline.
+"""Kernel benchmark: verify / sparse attention, top-k selection and the FP8 MLP's SwiGLU
+quantization against the roofline.
 
 One run measures a device copy (bytes read + written over time), then every case: the Pallas kernel,
 the jitted pure-JAX reference (XLA) and, where it applies, torch SDPA, each as microseconds, GB/s of
@@ -35,6 +36,7 @@ from jaxspec.drafting.trees import Tree
 from jaxspec import cli
 from pallas_kernels import rope_write as _rope
 from pallas_kernels import sparse_attention as _sparse
+from pallas_kernels import swiglu_quant as _swiglu
 from pallas_kernels import verify_attention as _verify
 from pallas_kernels.sparse_attention import sparse_attention_reference
 from pallas_kernels.topk_select import topk_select, topk_select_reference
@@ -51,7 +53,7 @@ flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
 flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "gamma", "topp",
-                                   "tree", "specattn", "sts", "sts_verify"],
+                                   "tree", "specattn", "sts", "sts_verify", "swiglu"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "collect2: the verification kernel with and without Collect-2's scores, the "
@@ -69,10 +71,12 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "ga
                   "top-p selection and capped union, per top-p method); sts: STS's round "
                   "selection at the same shape (per-head top-k and capped union, per top-k "
                   "method); sts_verify: STS's sparse verification attention against the dense "
-                  "verify kernel at the 1.5B's shapes, B 16-64, 32K, T = 5, 10% budget")
+                  "verify kernel at the 1.5B's shapes, B 16-64, 32K, T = 5, 10% budget; "
+                  "swiglu: the FP8 MLP's SwiGLU quantization against XLA's form, and the "
+                  "kernel's knobs, at a draft step's 128 rows (0.5B and 1.5B)")
 flags.DEFINE_string("sts_map", "benchmarks/results/maps/sts_map_k256.qwen2_5-coder-0_5b.json",
                     "the head map whose draft heads --plan=sts selects from")
-flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree", "rope"],
+flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree", "rope", "swiglu"],
                   "kernel groups --check runs")
 flags.DEFINE_bool("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke runs)")
 
@@ -413,6 +417,26 @@ def check_all() -> bool:
     except Exception as e:
       ok = False
       check_line(f"FAIL rope_write T={t}: {type(e).__name__}: {str(e)[:3000]}")
+  # swiglu_quant: a draft step's 128 rows of the 1.5B's and 0.5B's MLPs, one row all zeros.
+  for (m, f) in [(128, 8960), (128, 4864), (7, 8960)]:
+    if "swiglu" not in groups:
+      break
+    try:
+      gate_up = (rand(m + f, (m, 2 * f), jnp.float32) * 300).astype(jnp.bfloat16)
+      args = (gate_up.at[m // 2].set(0), jnp.float32(0.03), jnp.float32(0.1))
+      (q, rs), (wq, wrs) = (_swiglu.swiglu_quantize(*args, interpret=FLAGS.interpret),
+                            _swiglu.swiglu_quantize_reference(*args))
+      q, wq = np.asarray(q, np.float32), np.asarray(wq, np.float32)
+      # e4m3 values within one step of the reference's (exp and the division may round apart on
+      # a GPU), row scales to float32 rounding, nothing non-finite.
+      good = bool(np.isfinite(q).all() and np.allclose(np.asarray(rs), np.asarray(wrs), rtol=1e-6)
+                  and np.all(np.abs(q - wq) <= 2.0 ** -3 * np.abs(wq) + 2.0 ** -9))
+      check_line(("PASS " if good else "FAIL ") + f"swiglu_quantize {m} x {f}: e4m3 values off "
+                 f"the reference's {int((q != wq).sum())} of {q.size}")
+      ok &= good
+    except Exception as e:
+      ok = False
+      check_line(f"FAIL swiglu_quantize {m} x {f}: {type(e).__name__}: {str(e)[:3000]}")
   return ok
 
 
@@ -553,6 +577,29 @@ def topk_case(b, l, ratio, dtype):
                            **knobs)
     label = " ".join([method] + [f"{a}={x}" for a, x in knobs.items()])
     record(name, label, lambda fn=fn: time_jax(fn, sets), nbytes)
+
+
+@guarded
+def swiglu_case(m, f, sweep=True):
+  """The FP8 MLP's SwiGLU quantization at M rows of F columns: the kernel (and its knobs) against
+  XLA's form (the reference jitted), 8 chained calls each. Its input is the gate/up GEMM's bf16
+  output, in L2 in a draft step as here (two input sets of M x 2F rotate)."""
+  sets = [(rand(40 + i, (m, 2 * f), jnp.float32).astype(jnp.bfloat16), jnp.float32(0.03),
+           jnp.float32(0.1)) for i in range(2)]
+  nbytes = m * 2 * f * 2 + m * f + m * 4          # read gate/up once, write e4m3 and the scales
+  name = f"swiglu_quantize {m} x {f}"
+  record(name, "xla", lambda: time_chain(jax.jit(_swiglu.swiglu_quantize_reference), sets), nbytes)
+  knobs = [{}] + ([{"num_warps": 8}, {"block": 4096}, {"block": 2048, "num_warps": 8}]
+                  if sweep else [])
+  for kw in knobs:
+    fn = functools.partial(_swiglu.swiglu_quantize, interpret=FLAGS.interpret, **kw)
+    label = " ".join(["pallas"] + [f"{a}={x}" for a, x in kw.items()])
+    record(name, label, lambda fn=fn: time_chain(fn, sets), nbytes)
+
+
+def swiglu_plan(sh):
+  for f in (8960, 4864):   # the 1.5B's and the 0.5B's
+    swiglu_case(128, max(16, f // sh // 16 * 16), sweep=FLAGS.sweep)
 
 
 def sort_topp(w, lengths, *, p, k_max):
@@ -785,6 +832,8 @@ def main(argv):
     sts_plan(sh)
   elif FLAGS.plan == "sts_verify":
     sts_verify_plan(sh)
+  elif FLAGS.plan == "swiglu":
+    swiglu_plan(sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()
@@ -908,6 +957,8 @@ def full(q3, sh, sweep_dense, sweep_sparse):
     topk_case(16, 131072 // sh, 0.07, jnp.bfloat16)
     topk_case(16, 131072 // sh, 0.07, jnp.float32)
     topk_case(24 * 64, 33792 // sh, 0.07, jnp.bfloat16)   # per-layer selection, long workload
+  if wanted("swiglu"):
+    swiglu_plan(sh)
 
 
 if __name__ == "__main__":
