@@ -104,10 +104,10 @@ def test_the_norm_s_largest_output_does_not_clip():
   np.testing.assert_allclose(layer.mlp.fp8_gate_up(h), want, rtol=0.07, atol=1e-3)
 
 
-def _forward(model, tokens, fp8_mlp, backend="reference"):
+def _forward(model, tokens, fp8_mlp):
   cache = KVCache.create(model.cfg, tokens.shape[0], 32, jnp.float32)
   hidden, _, _ = model(tokens, cache.chain_positions(tokens.shape[1]), cache, Dense(),
-                       backend=backend, fp8_mlp=fp8_mlp)
+                       fp8_mlp=fp8_mlp)
   return hidden
 
 
