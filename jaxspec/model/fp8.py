@@ -30,7 +30,7 @@ the exact one in norm. What that nets (H200, fiftieth session): a vegas round of
 B = 128 x 24K 2.4-2.9% faster, and the real 1.5B's drafts 1.6% fewer expected tokens a round at
 16K; end to end on workload (c) at B = 128, +1.0-1.2% decode-only tokens/s (fifty-second session).
 At the 0.5B's shapes the round was 0.4-0.6% slower. So it is opt-in. The SwiGLU kernel then took
-2.6% off a random-weight vegas round of the 1.5B at B = 128 x 1K (fifty-third session), which no
+2.5% off a random-weight vegas round of the 1.5B at B = 128 x 1K (fifty-third session), which no
 end-to-end run has measured yet.
 """
 from __future__ import annotations
