@@ -56,13 +56,16 @@ def _swiglu(g, u, scale):
   return g / (1.0 + jnp.exp(-g)) * (u.astype(jnp.float32) * scale)
 
 
-def _row_scale(amax):
-  # Clamped after the division: tiny / 448 is subnormal, which XLA flushes to 0 (0 / 0 = NaN).
+def fp8_scale(amax: jax.Array) -> jax.Array:
+  """The e4m3 scale of values whose largest magnitude is amax: amax / 448, at least float32's
+  tiny (clamped after the division: tiny / 448 is subnormal, which XLA flushes to 0, and 0 / 0
+  is NaN)."""
   return jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny)
 
 
-def _to_fp8(a, row_scale):
-  return jnp.clip(a / row_scale, -FP8_MAX, FP8_MAX).astype(FP8)
+def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """x / scale in e4m3, rounded to nearest even, clipped to +-448 (a convert past it is NaN)."""
+  return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
 def swiglu_quantize_reference(gate_up: jax.Array, input_scale: jax.Array,
@@ -72,8 +75,8 @@ def swiglu_quantize_reference(gate_up: jax.Array, input_scale: jax.Array,
   f = gate_up.shape[1] // 2
   scale = jnp.asarray(input_scale, jnp.float32) * jnp.asarray(weight_scale, jnp.float32)
   a = _swiglu(gate_up[:, :f], gate_up[:, f:], scale)
-  row_scale = _row_scale(jnp.max(jnp.abs(a), axis=-1))
-  return _to_fp8(a, row_scale[:, None]), row_scale
+  row_scale = fp8_scale(jnp.max(jnp.abs(a), axis=-1))
+  return quantize(a, row_scale[:, None]), row_scale
 
 
 def _chunks(f: int, block: int) -> list[tuple[int, int]]:
@@ -98,9 +101,9 @@ def _swiglu_quant_kernel(in_scale_ref, w_scale_ref, gu_ref, q_ref, s_ref, *, f: 
   amax = jnp.zeros((), jnp.float32)
   for a in acts:
     amax = jnp.maximum(amax, jnp.max(jnp.abs(a)))
-  row_scale = _row_scale(amax)
+  row_scale = fp8_scale(amax)
   for (c, w), a in zip(chunks, acts):
-    q_ref[pl.ds(c, w)] = _to_fp8(a, row_scale)
+    q_ref[pl.ds(c, w)] = quantize(a, row_scale)
   s_ref[()] = row_scale
 
 

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import swiglu_quant
-from pallas_kernels.swiglu_quant import FP8, FP8_MAX
+from pallas_kernels.swiglu_quant import FP8, FP8_MAX, fp8_scale
+from pallas_kernels.swiglu_quant import quantize as _quantize
 
 if TYPE_CHECKING:   # transformer.py imports this module
   from jaxspec.model.transformer import Transformer
@@ -110,13 +111,7 @@ def mlp_forward(gate_up: FP8Matrix, down: FP8Matrix, x: jax.Array, backend: str)
 
 
 def _scale(x: jax.Array, axis: int | None = None) -> jax.Array:
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None)
-  # Clamped after the division: tiny / 448 is subnormal, which XLA flushes to 0 (0 / 0 = NaN).
-  return jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny)
-
-
-def _quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
-  return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+  return fp8_scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None))
 
 
 def add_fp8_mlps(model: Transformer) -> Transformer:
