@@ -160,8 +160,8 @@ class MLP(nnx.Module):
     self.down_proj = _linear(i, h, False, dtype, param_dtype, rngs)
 
   def __call__(self, x, mesh, fp8: bool = False, backend: str = "reference"):
-    """fp8: multiply by the weights' FP8 copies (`jaxspec.model.fp8.add_fp8_mlps`), with the
-    SwiGLU between them on `backend`'s kernel."""
+    """fp8: multiply by the weights' FP8 copies (`jaxspec.model.fp8.add_fp8_mlps`); the SwiGLU
+    between them runs as a kernel on 'pallas' and 'interpret', as its reference on 'reference'."""
     if fp8:   # one device: nothing to constrain
       return mlp_forward(self.fp8_gate_up, self.fp8_down, x, backend)
     if hasattr(self, "gate_up_proj"):    # fuse_projections
