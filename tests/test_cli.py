@@ -75,6 +75,10 @@ BAD_FLAGS = [
     (["--prompt=hi", "--method=vegas", "--min_tokens=-1"], "min_tokens must be a non-negative"),
     (["--prompt= "], "--prompt is empty"),
     (["--max_new_tokens=3"], "give exactly one of --prompt or --prompt_file"),
+    (["--prompt=hi", "--fp8_drafts"],
+     "--fp8_drafts is for speculative methods: --method=none drafts nothing"),
+    (["--prompt=hi", "--method=vegas", "--fp8_drafts", "--tp=2"],
+     "--fp8_drafts runs on one device (no --tp yet)"),
     (["--prompt=hi", "--compilation_cache=/dev/null/xla"],
      "--compilation_cache /dev/null/xla: cannot use it as a directory"),
 ]
@@ -150,6 +154,20 @@ def test_fused_and_separate_projections_generate_the_same_text(tiny_smollm2_ckpt
   assert fused.returncode == 0, fused.stderr[-2000:]
   assert apart.returncode == 0, apart.stderr[-2000:]
   assert fused.stdout.strip() and fused.stdout == apart.stdout
+
+
+def test_fp8_drafts_keep_vanilla_s_greedy_text(tiny_smollm2_ckpt):
+  """--fp8_drafts: vegas drafts on FP8 MLP copies (the stats line says so) and, verifying with
+  the model's own weights in float32, writes plain greedy decoding's text."""
+  args = (f"--model={tiny_smollm2_ckpt}", "--dtype=float32", "--max_new_tokens=12",
+          "--prompt=One, two, three, four,")
+  vanilla, fp8 = run_cli(*args), run_cli(*args, "--method=vegas", "--fp8_drafts")
+  assert vanilla.returncode == 0, vanilla.stderr[-2000:]
+  assert fp8.returncode == 0, fp8.stderr[-2000:]
+  assert fp8.stdout.strip() and fp8.stdout == vanilla.stdout
+  stats = [line for line in fp8.stderr.splitlines() if line.startswith("[jaxspec]")]
+  assert len(stats) == 1 and "method vegas" in stats[0] and "| drafts fp8" in stats[0]
+  assert "drafts fp8" not in vanilla.stderr
 
 
 def test_compilation_cache_holds_the_compiled_loops(tiny_smollm2_ckpt, tmp_path):
@@ -231,6 +249,7 @@ PLAN_FLAGS = [
     (["--method=vegas"], "--plan chooses the strategy: drop --method"),
     (["--gamma=4", "--sparsity=0.1"], "--plan chooses the strategy: drop --gamma, --sparsity"),
     (["--ssv_class=approx"], "--plan chooses the strategy: drop --ssv_class"),
+    (["--fp8_drafts"], "--fp8_drafts does not combine with --plan yet"),
 ]
 
 

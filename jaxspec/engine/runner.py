@@ -560,7 +560,7 @@ class Runner:
     mean_accepted_tokens (per round, incl. the corrected/bonus token), acceptance_by_position
     (gamma floats), verify_rounds (sequence-rounds counted); for 'specattn' and 'sts' also
     kv_kept_share (the share of prefix keys its sparse layers read, `SpecAttnDrafter.kept_share`);
-    for 'ssv' ssv_class and ssv_group.
+    for 'ssv' ssv_class and ssv_group; with fp8_drafts, drafts 'fp8'.
     With a planner: method 'plan', strategy (the last one's key), mean_accepted_tokens and
     verify_rounds over all of them, plan_strategies (the same per strategy) and plan_switches (the
     controller's log: round, context, from, to, reason, ema, expected) instead of gamma and
@@ -622,6 +622,8 @@ class Runner:
           verify_rounds=acc["verify_rounds"])
     if self.ssv is not None:
       stats.extra.update(ssv_class=self.ssv.ssv_class, ssv_group=self.ssv.group)
+    if self.fp8_drafts:
+      stats.extra["drafts"] = "fp8"
     if control is not None:   # acceptance per strategy: their histograms differ in width
       tally.close(strategy.key, hist)
       plan = tally.summary()
