@@ -44,7 +44,8 @@ context bucket and switch between chunks when acceptance stays below the profile
 --fp8_drafts runs the draft steps' MLPs on FP8 copies of their weights (`jaxspec.model.fp8`,
 about half the MLP weights' memory again; one device, speculative methods); verification keeps
 the model's weights, so the output distribution is unchanged. On an H200 it made a vegas round of
-the 1.5B at 128 sequences 3-6% shorter (benchmarks/RESULTS.md).
+the 1.5B at 128 sequences 3-6% shorter; on a 2-core CPU the quick start's vegas was slower with
+it (benchmarks/RESULTS.md).
 Compiled programs are kept in JAX's persistent compilation cache (--compilation_cache), so a later
 run of the same model, method and shapes skips most of its compile time.
 Bad flags fail with one line before the model loads; Ctrl-C exits with status 130 and one line.
