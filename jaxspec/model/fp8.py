@@ -26,12 +26,12 @@ in FP8 (forty-ninth), so they stay in the model's dtype.
 Only drafts use the copies (`RunConfig.fp8_drafts`): verification and prefill keep the model's
 weights, so speculative sampling's output is the model's own; FP8 can only change how many drafts
 are accepted. On random normal weights and inputs at the 1.5B's MLP shapes a product is 3.7% off
-the exact one in norm. What that nets (H200, fiftieth session): a vegas round of the 1.5B at
-B = 128 x 24K 2.4-2.9% faster, and the real 1.5B's drafts 1.6% fewer expected tokens a round at
-16K; end to end on workload (c) at B = 128, +1.0-1.2% decode-only tokens/s (fifty-second session).
-At the 0.5B's shapes the round was 0.4-0.6% slower. So it is opt-in. The SwiGLU kernel then took
-2.5% off a random-weight vegas round of the 1.5B at B = 128 x 1K (fifty-third session), which no
-end-to-end run has measured yet.
+the exact one in norm; teacher-forced on a CPU the real 1.5B's drafts accept about 0.5% fewer
+tokens a round. What that nets on an H200 (RESULTS.md, fifty-fourth and fifty-fifth sessions, the
+real 1.5B at B = 128, each against bf16 drafts in the same session): a round 3.0-5.8% shorter and
+decode-only tokens/s 0.7-5.5% higher on workloads (a), (b) and (c); the 0.5B's random-weight round
+at 128 x 24K 0.5% shorter. It stays opt-in: the copies take about half the MLP weights' memory again, which the KV
+cache could use, and on a CPU FP8 drafts are slower.
 """
 from __future__ import annotations
 
