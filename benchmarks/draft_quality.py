@@ -23,9 +23,11 @@ exchange is a figure free of sampling noise whose differences between methods ar
 rounds' attention is the pure-JAX reference's by default, which runs on any device; with
 `--backend=pallas` (a GPU) the verification and draft passes run the engine's kernels, whose
 Collect-2 scores are computed and rounded as the engine's are, so two trees' kernels can be
-compared on the same rounds. The passages' prefill stays on the reference. `--draft_mlp=model,fp8`
-runs each method's draft passes with the model's MLP weights and with FP8 copies of them
-(`jaxspec.model.fp8`, what `RunConfig.fp8_drafts` drafts with), on the same rounds.
+compared on the same rounds. The passages' prefill stays on the reference. `--score_pool=1,9` runs
+the vegas family once per pooling width of its scores (`policies.pool_scores`), and
+`--draft_mlp=model,fp8` each method's draft passes with the model's MLP weights and with FP8
+copies of them (`jaxspec.model.fp8`, what `RunConfig.fp8_drafts` drafts with), on the same
+rounds.
 
 Output: a markdown table on stdout (alpha by position, expected tokens a round with its standard
 error, and the paired difference from the first method), the settings and per-round alphas as
@@ -49,7 +51,8 @@ from tqdm import tqdm
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
 from jaxspec import cli
-from jaxspec.drafting.policies import SELF_DRAFTING, SelectionPolicy, make_policy, static_k_max
+from jaxspec.drafting.policies import (POOLED, SCORE_POOL, SELF_DRAFTING, SelectionPolicy,
+                                       make_policy, static_k_max, validate)
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams, probabilities
 from jaxspec.model.attention import BACKENDS, Dense
@@ -76,6 +79,9 @@ def define_flags() -> None:
   flags.DEFINE_float("top_p", 0.95, "1 = off")
   flags.DEFINE_integer("top_k", 20, "0 = off")
   flags.DEFINE_integer("seed", 0, "passages' and continuation's seed")
+  flags.DEFINE_list("score_pool", [str(SCORE_POOL)], "the vegas family's score pooling widths "
+                    "(`policies.pool_scores`; odd, 1: the scores as they are), each method run "
+                    "once per width on the same rounds")
   flags.DEFINE_list("draft_mlp", ["model"], "the draft passes' MLP weights, each method run once "
                     "per entry: 'model' (the model's own) and 'fp8' (FP8 copies, "
                     "jaxspec.model.fp8; rows 'METHOD fp8')")
@@ -205,6 +211,16 @@ def main(argv):
       cli.fail(prog, f"{name} must be >= 1, got {value}")
   if not 1 <= fv.stride <= fv.gamma + 1:
     cli.fail(prog, f"stride must be in 1..gamma + 1 = {fv.gamma + 1}, got {fv.stride}")
+  try:
+    pools = [int(w) for w in fv.score_pool]
+  except ValueError:
+    cli.fail(prog, f"--score_pool takes odd positive integers, got {','.join(fv.score_pool)}")
+  try:
+    for w in pools:
+      validate("vegas", ratio=fv.sparsity, min_tokens=fv.min_tokens, score_kind="logits",
+               score_pool=w)
+  except ValueError as e:
+    cli.fail(prog, f"--score_pool: {e}")
   if not fv.draft_mlp or set(fv.draft_mlp) - set(DRAFT_MLP):
     cli.fail(prog, f"--draft_mlp takes {' and '.join(DRAFT_MLP)}, got {fv.draft_mlp}")
   if fv.temperature <= 0:
@@ -232,19 +248,25 @@ def main(argv):
   capacity = cache_capacity(tokens.shape[1])
   settings = dict(model=fv.model, dtype=fv.dtype, context=context,
                   passages=fv.passages, rounds=rounds, gamma=gamma, stride=stride,
-                  sparsity=fv.sparsity, min_tokens=fv.min_tokens, backend=fv.backend,
+                  sparsity=fv.sparsity, min_tokens=fv.min_tokens, score_pools=pools,
+                  backend=fv.backend,
                   sampling=dataclasses.asdict(sampling), seed=fv.seed, device=device_name(),
                   commit=git_commit(), date=datetime.date.today().isoformat(), argv=sys.argv)
   if "fp8" in fv.draft_mlp:
     add_fp8_mlps(loaded.model)
   rows, first = [], None
-  for method, mlp in itertools.product(fv.methods, fv.draft_mlp):
+  for method, pool, mlp in itertools.product(fv.methods, pools, fv.draft_mlp):
+    if pool != pools[0] and method not in POOLED:
+      continue   # the other policies take no scores to pool: the same rows again
     policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
-                         k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens))
+                         k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens),
+                         score_pool=pool)
     alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
                                 rounds=rounds, sampling=sampling, cache_dtype=dtype,
                                 backend=fv.backend, fp8_mlp=mlp == "fp8", progress=True)
-    rows.append(dict(method=method if mlp == "model" else f"{method} fp8", draft_mlp=mlp,
+    label = method + (f" pool {pool}" if len(pools) > 1 and method in POOLED else "")
+    rows.append(dict(method=label if mlp == "model" else f"{label} fp8", draft_mlp=mlp,
+                     score_pool=pool if method in POOLED else None,
                      **summary(alpha, first), alpha=alpha.round(5).tolist()))
     first = alpha if first is None else first
     write_json(fv.out, dict(settings, rows=rows))

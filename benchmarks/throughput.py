@@ -67,7 +67,8 @@ of SSV strategies plans with --draft_model (and --ssv_schedule for the reuse cla
 copy ceiling in the JSON is still one device's. --disaggregate (short and long workloads) prefills
 the refills on a second device while the first one decodes (`Runner.serve`). --fp8_drafts runs
 the speculative methods' draft steps on FP8 copies of the MLP weights (`jaxspec.model.fp8`, one
-device); the JSON's header says so.
+device); the JSON's header says so. --score_pool=W pools the vegas family's scores over W
+positions before its top-k (`jaxspec.drafting.policies.pool_scores`; the header records it).
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_setting
                                filled_state, git_commit, kernel_families, kernel_table, load,
                                matched_repetition, repetition_summary, time_fn, write_json)
 from jaxspec import cli, requests, ssv
+from jaxspec.drafting import policies
 from jaxspec.drafting.draft_model import DraftModelState
 from jaxspec.drafting.specattn import DEFAULT_TOP_P, SpecAttnState
 from jaxspec.engine.runner import DRAFT_MODEL_METHODS
@@ -135,6 +137,8 @@ _SSV_SCHEDULE = flags.DEFINE_string("ssv_schedule", None, "ssv reuse classes: th
                                     "schedule JSON from jaxspec.ssv_calibrate")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
+_SCORE_POOL = flags.DEFINE_integer("score_pool", policies.SCORE_POOL, "vegas family: the scores' "
+                                   "pooling width before the top-k (odd; 1: as they are)")
 _BATCH = flags.DEFINE_integer("batch", 64, "decode slots")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "per request (default 4096 short, 1024 "
                                 "long and continuation)")
@@ -322,7 +326,7 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
     settings = dict(sparsity=ratio)
   return Runner(model, method=method, gamma=None if widths else g,
                 min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
+                score_pool=_SCORE_POOL.value, draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
                 sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
                 tree_order=_TREE_ORDER.value, prompt_buckets=_PROMPT_BUCKETS.value,
                 fp8_drafts=_FP8_DRAFTS.value and method != "none", **settings)
@@ -511,6 +515,8 @@ def main(argv):
   try:
     make_mesh(_TP.value)   # too few devices: one line before anything loads
     check_prompt_buckets(_PROMPT_BUCKETS.value)
+    if _SCORE_POOL.value < 1 or _SCORE_POOL.value % 2 == 0:
+      raise ValueError(f"--score_pool must be an odd integer >= 1, got {_SCORE_POOL.value}")
     for entry in _METHODS.value:
       chunk_rounds(entry)
   except ValueError as e:
@@ -534,7 +540,7 @@ def main(argv):
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
                 fuse_projections=_fusing(), fp8_drafts=_FP8_DRAFTS.value,
-                prompt_buckets=_PROMPT_BUCKETS.value, argv=" ".join(sys.argv),
+                score_pool=_SCORE_POOL.value, prompt_buckets=_PROMPT_BUCKETS.value, argv=" ".join(sys.argv),
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
@@ -577,7 +583,7 @@ def main(argv):
         refine = planner.refinement if entry == "plan" else dataclasses.replace(
             planner.refinement, max_switches=0)
         runner = Runner(loaded.model, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                        sampling=sampling, stop_ids=stop_ids, backend=backend,
+                        score_pool=_SCORE_POOL.value, sampling=sampling, stop_ids=stop_ids, backend=backend,
                         prompt_buckets=_PROMPT_BUCKETS.value,
                         planner=planning.Planner(planner.profile, planner.precision, refine),
                         **plan_ssv_settings(planner, loaded.model, draft_model))

@@ -41,6 +41,9 @@ self-drafting strategy (method, gamma, sparsity, tree), or for an NSA model the 
 context bucket and switch between chunks when acceptance stays below the profile's expectation
 (`jaxspec.engine.planner`); it replaces --method, --gamma, --sparsity, --tree, --ssv_class and
 --ssv_group.
+--score_pool=W (odd) pools the vegas family's scores before its top-k: each position ranks by the
+largest score within W // 2 positions of it, so the drafts see spans around the keys that scored
+high (default 1, the paper's rule; the output distribution is the same at any width).
 --fp8_drafts runs the draft steps' MLPs on FP8 copies of their weights (`jaxspec.model.fp8`,
 about half the MLP weights' memory again; one device, speculative methods); verification keeps
 the model's weights, so the output distribution is unchanged. On an H200 it made a vegas round of
@@ -139,6 +142,9 @@ _PLAN_CLASS = flags.DEFINE_string("plan_class", None, "--plan: the precision cla
 _SPARSITY = flags.DEFINE_float("sparsity", 0.07, "fraction of the KV cache drafts attend to")
 _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget for drafting")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas criticality scores")
+_SCORE_POOL = flags.DEFINE_integer("score_pool", policies.SCORE_POOL, "vegas family: each "
+                                   "position's score becomes the largest within score_pool // 2 "
+                                   "positions before the top-k (odd; 1: the scores as they are)")
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: shard the model (and the draft model) "
                            "over this many devices, by attention head and MLP column")
 _COMPILATION_CACHE = flags.DEFINE_string(
@@ -254,9 +260,11 @@ def check_flags() -> SamplingParams:
     if _METHOD.value != "none" and _GAMMA.value is not None:
       requests.check_count("--gamma", _GAMMA.value)
     tree_widths()
+    if _SCORE_POOL.value < 1 or _SCORE_POOL.value % 2 == 0:
+      raise ValueError(f"--score_pool must be an odd integer >= 1, got {_SCORE_POOL.value}")
     if _METHOD.value in policies.SELF_DRAFTING:
       policies.validate(_METHOD.value, ratio=_SPARSITY.value, min_tokens=_MIN_TOKENS.value,
-                        score_kind=_SCORE.value)
+                        score_kind=_SCORE.value, score_pool=_SCORE_POOL.value)
     if _METHOD.value in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is None:
       raise ValueError(f"--method={_METHOD.value} needs --draft_model")
     if (_METHOD.value not in (*DRAFT_MODEL_METHODS, "ssv") and _DRAFT_MODEL.value is not None
@@ -421,6 +429,7 @@ def main(argv):
   try:
     runner = Runner(loaded.model, method=_METHOD.value, gamma=_GAMMA.value,
                     sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
+                    score_pool=_SCORE_POOL.value,
                     draft_model=draft and draft.model, sampling=sampling, stop_ids=stop_ids,
                     cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value,
                     top_p_attn=_TOP_P_ATTN.value, layer_map=layer_map, attn_cap=_ATTN_CAP.value,

@@ -28,10 +28,10 @@ def setup():
   return model, tokens
 
 
-def _alpha(setup, method, ratio, min_tokens=4, backend="reference"):
+def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score_pool=1):
   model, tokens = setup
   policy = make_policy(method, ratio=ratio, min_tokens=min_tokens,
-                       k_max=static_k_max(CAPACITY, ratio, min_tokens))
+                       k_max=static_k_max(CAPACITY, ratio, min_tokens), score_pool=score_pool)
   return expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
                              rounds=ROUNDS, sampling=PAPER, backend=backend)
 
@@ -55,6 +55,12 @@ def test_a_small_selection_drafts_other_distributions(setup):
   alpha = _alpha(setup, "streaming", 0.05)
   assert np.all((alpha >= 0) & (alpha <= 1 + 1e-5))
   assert alpha.mean() < 0.999
+
+
+def test_pooled_scores_select_other_keys_and_so_draft_other_distributions(setup):
+  plain, pooled = (_alpha(setup, "vegas", 0.1, score_pool=w) for w in (1, 5))
+  assert np.all((pooled >= 0) & (pooled <= 1 + 1e-5))
+  assert np.abs(pooled - plain).max() > 1e-4
 
 
 def test_the_kernels_give_the_references_alphas(setup):
@@ -101,6 +107,8 @@ def test_bad_settings_are_one_line_errors(setup):
     (["--methods=vegas,magic"], "unknown self-drafting methods ['magic']"),
     (["--temperature=0"], "temperature must be > 0"),
     (["--draft_mlp=model,int4"], "--draft_mlp takes model and fp8, got ['model', 'int4']"),
+    (["--score_pool=1,x"], "--score_pool takes odd positive integers, got 1,x"),
+    (["--score_pool=1,4"], "--score_pool: score pool must be an odd positive integer"),
     (["--backend=pallas"], "--backend=pallas runs the kernels on a GPU; jax's backend here is cpu")])
 def test_the_command_refuses_bad_settings_in_one_line(tmp_path, args, message):
   out = tmp_path / "dq.json"

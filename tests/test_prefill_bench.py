@@ -1,8 +1,11 @@
 """benchmarks.prefill: its FLOP count, the smoke run's rows (the numbers of a CPU run mean
-nothing), and its one-line errors; benchmarks.throughput's --prompt_buckets checked alike."""
+nothing), and its one-line errors; benchmarks.throughput's --prompt_buckets and --score_pool
+checked alike."""
 import json
 import subprocess
 import sys
+
+import pytest
 
 from benchmarks.prefill import prefill_flops
 from benchmarks.common import SHAPES
@@ -48,13 +51,16 @@ def test_bad_flags_are_a_one_line_error(tmp_path):
   assert not out.exists()
 
 
-def test_throughput_refuses_a_prompt_bucket_count_that_is_not_a_power_of_two(tmp_path):
+@pytest.mark.parametrize("flag, message", [
+    ("--prompt_buckets=6",
+     "prompt_buckets must be a power of two >= 1 (lengths per octave), got 6"),
+    ("--score_pool=0", "--score_pool must be an odd integer >= 1, got 0"),
+])
+def test_throughput_refuses_bad_run_settings_before_loading(tmp_path, flag, message):
   out = tmp_path / "x.json"
-  res = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--prompt_buckets=6",
+  res = subprocess.run([sys.executable, "-m", "benchmarks.throughput", flag,
                         "--workload=short", f"--out={out}"], capture_output=True, text=True,
                        timeout=300)
   assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-1000:]
-  assert res.stderr.strip().splitlines()[-1] == (
-      "benchmarks.throughput: error: prompt_buckets must be a power of two >= 1 (lengths per "
-      "octave), got 6")
+  assert res.stderr.strip().splitlines()[-1] == f"benchmarks.throughput: error: {message}"
   assert not out.exists()

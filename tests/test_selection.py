@@ -75,6 +75,55 @@ def test_vegas_selects_the_top_k_of_the_reference_scores(policy_cls, rows, score
       assert_top_k(s[l, b], np.asarray(sel.indices[l, b])[:k], prefix[b], k)
 
 
+def pooled_reference(scores, prefix, width):
+  """Each position's max over the positions within width // 2 of it that lie before prefix."""
+  out = np.full_like(scores, -np.inf)
+  r = width // 2
+  for b in range(scores.shape[1]):
+    for i in range(scores.shape[2]):
+      lo, hi = max(0, i - r), min(int(prefix[b]), i + r + 1)
+      if lo < hi:
+        out[:, b, i] = scores[:, b, lo:hi].max(-1)
+  return out
+
+
+@pytest.mark.parametrize("width", [1, 3, 9])
+def test_pooled_scores_are_each_windows_max_before_the_prefix(width):
+  rng = np.random.default_rng(3)
+  scores = rng.normal(size=(L, B, S)).astype(np.float32)
+  scores[:, :, 60:] = 50.0     # past every prefix but the middle one's: must lend nothing
+  prefix = np.array([40, 90, 17], np.int32)
+  got = np.asarray(selection.pool_scores(jnp.asarray(scores), jnp.asarray(prefix), width))
+  want = pooled_reference(scores, prefix, width)
+  for b in range(B):
+    n = int(prefix[b])
+    np.testing.assert_array_equal(got[:, b, :n], want[:, b, :n])
+
+
+@pytest.mark.parametrize("policy_cls", [selection.Vegas, selection.VegasLast])
+def test_pooled_vegas_selects_the_top_k_of_the_pooled_scores(policy_cls):
+  """With score_pool the top-k ranks each position by its neighbourhood's best score, so a
+  high-scoring key brings its neighbours in."""
+  rng = np.random.default_rng(4)
+  ratio, min_tokens, width = 0.2, 3, 5
+  k_max = selection.static_k_max(S, ratio, min_tokens)
+  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_pool=width)
+  cache, _ = random_cache()
+  accepted = jnp.zeros((B,), jnp.int32)
+  scores = rng.normal(size=(L, B, S)).astype(np.float32)
+  sel = policy.select_kv(cache, jnp.asarray(scores), cache.lengths, accepted)
+  prefix = LENGTHS + 1
+  pooled = pooled_reference(scores, prefix, width)
+  for l in range(L):
+    for b in range(B):
+      k = int(np.clip(np.ceil(ratio * prefix[b]), min_tokens, prefix[b]))
+      assert int(sel.counts[l, b]) == k
+      assert_top_k(pooled[l, b], np.asarray(sel.indices[l, b])[:k], prefix[b], k)
+  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max).select_kv(
+      cache, jnp.asarray(scores), cache.lengths, accepted)
+  assert not np.array_equal(np.asarray(plain.indices), np.asarray(sel.indices))
+
+
 def test_per_row_score_dump_matches_the_reference_row_by_row():
   cache, q = random_cache(1)
   plan = Dense(scores=ScoreSpec("weights", per_row=True))
@@ -229,6 +278,9 @@ def test_static_k_max_covers_every_budget():
     (dict(ratio=1.5), "sparsity ratio"),
     (dict(min_tokens=-1), "min_tokens"),
     (dict(score_kind="softmax"), "score mode"),
+    (dict(score_pool=0), "score pool must be an odd positive integer"),
+    (dict(score_pool=4), "score pool must be an odd positive integer"),
+    (dict(score_pool=True), "score pool must be an odd positive integer"),
 ])
 def test_bad_settings_raise(kwargs, match):
   args = dict(method="vegas", ratio=0.1, min_tokens=4, k_max=8, score_kind="logits")

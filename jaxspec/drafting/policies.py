@@ -18,8 +18,11 @@ query row the scores came from, so the keys every collected row saw are [0, firs
 Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `budget`):
   vegas       Collect-2-Query scores (first draft row + bonus row, mean over query heads) of the
               last verification -> per-layer top-k over the keys both rows saw; `score_kind`
-              'logits' (the paper's choice) or 'weights'.
-  vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation).
+              'logits' (the paper's choice) or 'weights'; `score_pool` > 1 first replaces each
+              position's score by the largest within score_pool // 2 positions of it
+              (`pool_scores`), so that the top-k keeps spans around the keys that scored
+              high rather than the keys alone (the paper takes the scores as they are: 1).
+  vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation); vegas-last pools too.
   vegas-last  only the last accepted token's row. The corrected/bonus token itself (the paper's
               "last accepted token", its App. A) is not a query of this verification (it is fed
               next round), so we take the row that produced it: row a (input d_a, or the previous
@@ -70,6 +73,8 @@ from pallas_kernels import topk_select as _topk
 SELF_DRAFTING = ("dense", "vegas", "vegas-all", "vegas-last", "specextend", "streaming", "quest")
 SCORE_KINDS = ("logits", "weights")
 NUM_SINKS = 4   # StreamingLLM's attention sinks
+SCORE_POOL = 1  # the vegas family's default pooling width (`pool_scores`)
+POOLED = ("vegas", "vegas-all", "vegas-last")   # the policies whose scores `score_pool` pools
 
 
 def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
@@ -124,6 +129,18 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
   return idx.reshape(n_layers, b, k_max), k.reshape(n_layers, b)
 
 
+def pool_scores(scores: jax.Array, prefix: jax.Array, width: int) -> jax.Array:
+  """scores [L, B, S], prefix [B] -> each position's largest score within width // 2 positions of
+  it on either side, over positions < prefix only, so nothing past the prefix lends its score to
+  the prefix's last keys (width odd; 1 returns the scores as they are)."""
+  if width == 1:
+    return scores
+  valid = jnp.arange(scores.shape[-1])[None, None, :] < prefix[None, :, None]
+  low = jnp.array(-jnp.inf, scores.dtype)
+  return jax.lax.reduce_window(jnp.where(valid, scores, low), low, jax.lax.max, (1, 1, width),
+                               (1, 1, 1), "SAME")
+
+
 def _row_of_last_accepted(scores, accepted):
   """scores [L, B, T, S] (all-rows dump) or [L, B, S] (a single row) -> [L, B, S]."""
   if scores.ndim == 3:
@@ -138,6 +155,7 @@ class SelectionPolicy:
   min_tokens: int = 256
   k_max: int = 256
   score_kind: str = "logits"
+  score_pool: int = SCORE_POOL
   backend: str = "reference"
   mesh: Mesh | None = None
   name: ClassVar[str] = ""
@@ -180,8 +198,9 @@ class Vegas(SelectionPolicy):
 
   def select_kv(self, cache, scores, first_row, accepted):
     prefix = first_row + 1
-    idx, cnt = per_layer_topk(scores, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
-                              k_max=self.k_max, backend=self.backend, mesh=self.mesh)
+    idx, cnt = per_layer_topk(pool_scores(scores, prefix, self.score_pool), prefix,
+                              ratio=self.ratio, min_tokens=self.min_tokens, k_max=self.k_max,
+                              backend=self.backend, mesh=self.mesh)
     return Sparse(indices=idx, counts=cnt, tail_start=prefix)
 
 
@@ -206,9 +225,9 @@ class VegasLast(SelectionPolicy):
 
   def select_kv(self, cache, scores, first_row, accepted):
     prefix = first_row + accepted + 1        # the keys that row saw: the whole accepted prefix
-    idx, cnt = per_layer_topk(_row_of_last_accepted(scores, accepted), prefix, ratio=self.ratio,
-                              min_tokens=self.min_tokens, k_max=self.k_max, backend=self.backend,
-                              mesh=self.mesh)
+    row = pool_scores(_row_of_last_accepted(scores, accepted), prefix, self.score_pool)
+    idx, cnt = per_layer_topk(row, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
+                              k_max=self.k_max, backend=self.backend, mesh=self.mesh)
     return Sparse(indices=idx, counts=cnt, tail_start=prefix)
 
 
@@ -277,7 +296,8 @@ POLICIES: dict[str, type[SelectionPolicy]] = {
     cls.name: cls for cls in (Dense, Vegas, VegasAll, VegasLast, SpecExtend, Streaming, Quest)}
 
 
-def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str) -> None:
+def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str,
+             score_pool: int = SCORE_POOL) -> None:
   """Raise a clear ValueError for settings no policy accepts."""
   if method not in POLICIES:
     raise ValueError(f"unknown method {method!r} for self-drafting; choose one of "
@@ -288,12 +308,18 @@ def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str) -> 
     raise ValueError(f"min_tokens must be a non-negative integer, got {min_tokens!r}")
   if score_kind not in SCORE_KINDS:
     raise ValueError(f"score mode must be one of {', '.join(SCORE_KINDS)}, got {score_kind!r}")
+  if not isinstance(score_pool, int) or isinstance(score_pool, bool) or score_pool < 1 \
+      or score_pool % 2 == 0:
+    raise ValueError(f"score pool must be an odd positive integer (1: the scores as they are), "
+                     f"got {score_pool!r}")
 
 
 def make_policy(method: str, *, ratio: float, min_tokens: int, k_max: int,
-                score_kind: str = "logits", backend: str = "reference",
-                mesh: Mesh | None = None) -> SelectionPolicy:
-  """The policy for a self-drafting method name."""
-  validate(method, ratio=ratio, min_tokens=min_tokens, score_kind=score_kind)
+                score_kind: str = "logits", score_pool: int = SCORE_POOL,
+                backend: str = "reference", mesh: Mesh | None = None) -> SelectionPolicy:
+  """The policy for a self-drafting method name (`score_pool` matters to the vegas family only)."""
+  validate(method, ratio=ratio, min_tokens=min_tokens, score_kind=score_kind,
+           score_pool=score_pool)
   return POLICIES[method](ratio=float(ratio), min_tokens=min_tokens, k_max=k_max,
-                          score_kind=score_kind, backend=check_backend(backend), mesh=mesh)
+                          score_kind=score_kind, score_pool=score_pool,
+                          backend=check_backend(backend), mesh=mesh)

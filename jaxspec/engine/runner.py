@@ -213,7 +213,8 @@ class Runner:
 
   method: one of METHODS; gamma: drafts per round (static); sparsity: the fraction of the prefix
   self-drafts attend to, in (0, 1]; min_tokens: the budget floor; score_kind: 'logits' | 'weights'
-  for the vegas family; draft_model: the drafter for methods 'draft', 'specattn' and 'sts' (same
+  for the vegas family; score_pool: its scores' pooling width before the top-k (odd; 1: the
+  paper's rule, the scores as they are; `jaxspec.drafting.policies.pool_scores`); draft_model: the drafter for methods 'draft', 'specattn' and 'sts' (same
   vocabulary as the target); top_p_attn, layer_map, attn_cap: method 'specattn''s kept attention
   mass in (0, 1], its map f (one draft layer per target layer, from `jaxspec.specattn_map`; None:
   the proportional map floor(j * Ld / Lt)) and its index-list cap K_max (None: the cache
@@ -250,7 +251,7 @@ class Runner:
 
   def __init__(self, model: Transformer, *, method: str = "none", gamma: int | None = None,
                sparsity: float = 0.07, min_tokens: int = 256, score_kind: str = "logits",
-               draft_model: Transformer | None = None, sampling: SamplingParams = SamplingParams(),
+               score_pool: int = policies.SCORE_POOL, draft_model: Transformer | None = None, sampling: SamplingParams = SamplingParams(),
                stop_ids: Sequence[int] | None = None, cache_dtype=jnp.bfloat16,
                backend: str | None = None, tree: Sequence[int] | Tree | None = None,
                tree_order: str = "bfs", tp: int | None = None,
@@ -287,7 +288,8 @@ class Runner:
       raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) is not "
                        f"the target's ({model.cfg.vocab_size}): they must share a tokenizer")
     if method in policies.SELF_DRAFTING:
-      policies.validate(method, ratio=sparsity, min_tokens=min_tokens, score_kind=score_kind)
+      policies.validate(method, ratio=sparsity, min_tokens=min_tokens, score_kind=score_kind,
+                        score_pool=score_pool)
     self.specattn = None
     if method == "specattn":
       from jaxspec.specattn_map import check_layers, proportional_map
@@ -330,6 +332,7 @@ class Runner:
       self.gamma = requests.check_count("gamma (draft tokens per round)",
                                         DEFAULT_GAMMA if gamma is None else gamma)
     self.sparsity, self.min_tokens, self.score_kind = sparsity, min_tokens, score_kind
+    self.score_pool = score_pool
     self.sampling = sampling
     self.stop_ids = requests.check_stop_ids(stop_ids, model.cfg)
     self.cache_dtype = requests.check_dtype("cache_dtype", cache_dtype).name
@@ -381,7 +384,8 @@ class Runner:
       drafter = SelfDrafter(policies.make_policy(
           self.method, ratio=self.sparsity, min_tokens=self.min_tokens,
           k_max=policies.static_k_max(capacity, self.sparsity, self.min_tokens),
-          score_kind=self.score_kind, backend=self.backend, mesh=self.mesh))
+          score_kind=self.score_kind, score_pool=self.score_pool, backend=self.backend,
+          mesh=self.mesh))
     config = RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                        backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
                        drafter=drafter, tree=self.tree, offload=self.offload, ssv=self.ssv,
@@ -389,7 +393,7 @@ class Runner:
     if strategy is None:
       return config
     return strategy.run_config(config, min_tokens=self.min_tokens, score_kind=self.score_kind,
-                               mesh=self.mesh)
+                               score_pool=self.score_pool, mesh=self.mesh)
 
   def _check_context(self, max_len: int) -> None:
     """The target's context is checked by `requests.check_request`; the draft model's here."""
