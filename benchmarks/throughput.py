@@ -326,7 +326,8 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
     settings = dict(sparsity=ratio)
   return Runner(model, method=method, gamma=None if widths else g,
                 min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                score_pool=_SCORE_POOL.value, draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
+                score_pool=_SCORE_POOL.value,
+                draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
                 sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
                 tree_order=_TREE_ORDER.value, prompt_buckets=_PROMPT_BUCKETS.value,
                 fp8_drafts=_FP8_DRAFTS.value and method != "none", **settings)
@@ -540,7 +541,8 @@ def main(argv):
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
                 fuse_projections=_fusing(), fp8_drafts=_FP8_DRAFTS.value,
-                score_pool=_SCORE_POOL.value, prompt_buckets=_PROMPT_BUCKETS.value, argv=" ".join(sys.argv),
+                score_pool=_SCORE_POOL.value, prompt_buckets=_PROMPT_BUCKETS.value,
+                argv=" ".join(sys.argv),
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
     model, _ = load(_MODEL.value, _TP.value)
@@ -583,7 +585,8 @@ def main(argv):
         refine = planner.refinement if entry == "plan" else dataclasses.replace(
             planner.refinement, max_switches=0)
         runner = Runner(loaded.model, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                        score_pool=_SCORE_POOL.value, sampling=sampling, stop_ids=stop_ids, backend=backend,
+                        score_pool=_SCORE_POOL.value, sampling=sampling, stop_ids=stop_ids,
+                        backend=backend,
                         prompt_buckets=_PROMPT_BUCKETS.value,
                         planner=planning.Planner(planner.profile, planner.precision, refine),
                         **plan_ssv_settings(planner, loaded.model, draft_model))

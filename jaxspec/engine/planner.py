@@ -151,8 +151,7 @@ class Strategy:
     tree = d.get("tree")
     return cls(**dict(d, tree=None if tree is None else tuple(tree)))
 
-  def run_config(self, base, *, min_tokens: int, score_kind: str, score_pool: int,
-                 mesh=None):
+  def run_config(self, base, *, min_tokens: int, score_kind: str, score_pool: int, mesh=None):
     """`base` (a `RunConfig` for the cache's capacity, with the runner's sampling, stop ids,
     backend and dtype; for an SSV strategy, the runner's draft model and SSV settings) with this
     strategy's gamma, drafter and tree (and SSV class and group)."""

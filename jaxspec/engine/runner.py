@@ -214,10 +214,11 @@ class Runner:
   method: one of METHODS; gamma: drafts per round (static); sparsity: the fraction of the prefix
   self-drafts attend to, in (0, 1]; min_tokens: the budget floor; score_kind: 'logits' | 'weights'
   for the vegas family; score_pool: its scores' pooling width before the top-k (odd; 1: the
-  paper's rule, the scores as they are; `jaxspec.drafting.policies.pool_scores`); draft_model: the drafter for methods 'draft', 'specattn' and 'sts' (same
-  vocabulary as the target); top_p_attn, layer_map, attn_cap: method 'specattn''s kept attention
-  mass in (0, 1], its map f (one draft layer per target layer, from `jaxspec.specattn_map`; None:
-  the proportional map floor(j * Ld / Lt)) and its index-list cap K_max (None: the cache
+  paper's rule, the scores as they are; `jaxspec.drafting.policies.pool_scores`); draft_model:
+  the drafter for methods 'draft', 'specattn' and 'sts' (same vocabulary as the target);
+  top_p_attn, layer_map, attn_cap: method 'specattn''s kept attention mass in (0, 1], its map f
+  (one draft layer per target layer, from `jaxspec.specattn_map`; None: the proportional map
+  floor(j * Ld / Lt)) and its index-list cap K_max (None: the cache
   capacity), see `jaxspec.drafting.specattn.SpecAttnConfig`; sts_budget, sts_block, head_map:
   method 'sts''s k (prefix keys per target KV head and round, required), its page size P (1: token
   granularity) and its head map (`jaxspec.sts_map.load_map`, made for this pair and budget; None:
@@ -251,7 +252,8 @@ class Runner:
 
   def __init__(self, model: Transformer, *, method: str = "none", gamma: int | None = None,
                sparsity: float = 0.07, min_tokens: int = 256, score_kind: str = "logits",
-               score_pool: int = policies.SCORE_POOL, draft_model: Transformer | None = None, sampling: SamplingParams = SamplingParams(),
+               score_pool: int = policies.SCORE_POOL, draft_model: Transformer | None = None,
+               sampling: SamplingParams = SamplingParams(),
                stop_ids: Sequence[int] | None = None, cache_dtype=jnp.bfloat16,
                backend: str | None = None, tree: Sequence[int] | Tree | None = None,
                tree_order: str = "bfs", tp: int | None = None,

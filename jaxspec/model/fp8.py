@@ -30,8 +30,8 @@ the exact one in norm; teacher-forced on a CPU the real 1.5B's drafts accept abo
 tokens a round. What that nets on an H200 (RESULTS.md, fifty-fourth and fifty-fifth sessions, the
 real 1.5B at B = 128, each against bf16 drafts in the same session): a round 3.0-5.8% shorter and
 decode-only tokens/s 0.7-5.5% higher on workloads (a), (b) and (c); the 0.5B's random-weight round
-at 128 x 24K 0.5% shorter. It stays opt-in: the copies take about half the MLP weights' memory again, which the KV
-cache could use, and on a CPU FP8 drafts are slower.
+at 128 x 24K 0.5% shorter. It stays opt-in: the copies take about half the MLP weights' memory
+again, which the KV cache could use, and on a CPU FP8 drafts are slower.
 """
 from __future__ import annotations
 
