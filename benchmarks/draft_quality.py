@@ -52,7 +52,7 @@ from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
 from jaxspec import cli
 from jaxspec.drafting.policies import (POOLED, SCORE_POOL, SELF_DRAFTING, SelectionPolicy,
-                                       make_policy, static_k_max, validate)
+                                       check_score_pool, make_policy, static_k_max)
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams, probabilities
 from jaxspec.model.attention import BACKENDS, Dense
@@ -217,8 +217,7 @@ def main(argv):
     cli.fail(prog, f"--score_pool takes odd positive integers, got {','.join(fv.score_pool)}")
   try:
     for w in pools:
-      validate("vegas", ratio=fv.sparsity, min_tokens=fv.min_tokens, score_kind="logits",
-               score_pool=w)
+      check_score_pool(w)
   except ValueError as e:
     cli.fail(prog, f"--score_pool: {e}")
   if not fv.draft_mlp or set(fv.draft_mlp) - set(DRAFT_MLP):

@@ -308,10 +308,14 @@ def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str,
     raise ValueError(f"min_tokens must be a non-negative integer, got {min_tokens!r}")
   if score_kind not in SCORE_KINDS:
     raise ValueError(f"score mode must be one of {', '.join(SCORE_KINDS)}, got {score_kind!r}")
-  if not isinstance(score_pool, int) or isinstance(score_pool, bool) or score_pool < 1 \
-      or score_pool % 2 == 0:
+  check_score_pool(score_pool)
+
+
+def check_score_pool(width: int) -> None:
+  """Raise a one-line ValueError unless `width` is an odd positive integer (`pool_scores`)."""
+  if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width % 2 == 0:
     raise ValueError(f"score pool must be an odd positive integer (1: the scores as they are), "
-                     f"got {score_pool!r}")
+                     f"got {width!r}")
 
 
 def make_policy(method: str, *, ratio: float, min_tokens: int, k_max: int,
