@@ -53,13 +53,17 @@ flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
 flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "gamma", "topp",
-                                   "tree", "specattn", "sts", "sts_verify", "swiglu"],
+                                   "tree", "specattn", "sts", "sts_verify", "swiglu", "fold"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "collect2: the verification kernel with and without Collect-2's scores, the "
                   "scores from the tile's padding rows (the default) and from their own "
                   "product, at a vegas round's shapes (0.5B and 1.5B, B 64 and 128 x 24576, "
                   "T = 7 and 9; Qwen3-8B, B 4 x 131072, T = 8 and 12), 8 chained calls each; "
+                  "fold: Collect-2's verification kernel at the 0.5B's four collect2 shapes "
+                  "with its key blocks folded 1-4 an iteration under one rescale, 32-key "
+                  "blocks, the product at 128-key blocks and 4 pipeline stages, against scores "
+                  "off, 8 chained calls each; "
                   "gamma: the verification kernel at long rounds (T = gamma + 1 up to 17: "
                   "more packed query rows than one 64-row tile), with and without Collect-2's "
                   "scores, and its tile knobs there; "
@@ -254,8 +258,12 @@ def check_all() -> bool:
                   (12, 32, 8, 128, "weights", (0, -1)), (12, 14, 2, 64, "logits", None),
                   (7, 7, 1, 128, "weights", None), (2, 12, 2, 128, "logits", (0, -1)),
                   (8, 32, 8, 128, "logits", "per_row"), (5, 14, 2, 64, "weights", "per_row"),
-                  (1, 14, 2, 64, "weights", (0, -1))]   # a draft step: weights from stored logits
-  for (t, hq, hkv, d, kind, rows) in verify_cases:
+                  (1, 14, 2, 64, "weights", (0, -1)),   # a draft step: weights from stored logits
+                  # the 0.5B's Collect-2 at gamma 8: the padding row, its blocks folded
+                  (9, 14, 2, 64, "logits", (0, -1)),
+                  (9, 14, 2, 64, "logits", (0, -1), dict(blocks_per_rescale=4)),
+                  (9, 14, 2, 64, "logits", (0, -1), dict(block_k=32, blocks_per_rescale=3))]
+  for (t, hq, hkv, d, kind, rows, *knobs) in verify_cases:
     if "verify" not in groups:
       break
     try:
@@ -265,13 +273,15 @@ def check_all() -> bool:
       lengths = jnp.array([0, 517, s - t], jnp.int32)
       opts = dict(score_kind=kind, per_row=True) if rows == "per_row" else dict(
           score_kind=kind, score_rows=rows)
-      out, sc = verify_attention(q, k, v, lengths, **opts)
+      knobs = knobs[0] if knobs else {}
+      out, sc = verify_attention(q, k, v, lengths, **opts, **knobs)
       ro, rs = verify_attention_reference(q, k, v, lengths, **opts)
       if rows == "per_row":   # check row T-1 of the dump like a collected score row
         sc, rs = sc[:, -1], rs[:, -1]
       e = rel_err(out, ro)
       good = e < 1e-2 and not bool(jnp.isnan(out).any())
-      msg = f"verify T={t} {hq}/{hkv}/{d} {kind} rows={rows}: out err {e:.1e}"
+      msg = (f"verify T={t} {hq}/{hkv}/{d} {kind} rows={rows}"
+             + "".join(f" {a}={x}" for a, x in knobs.items()) + f": out err {e:.1e}")
       if kind is not None:
         fin = jnp.isfinite(rs)
         same_mask = bool(jnp.all(jnp.isfinite(sc) == fin))
@@ -287,7 +297,9 @@ def check_all() -> bool:
       ok &= good
     except Exception as e:
       ok = False
-      check_line(f"FAIL verify T={t} {hq}/{hkv}/{d} {kind}: {type(e).__name__}: {str(e)[:3000]}")
+      check_line(f"FAIL verify T={t} {hq}/{hkv}/{d} {kind}"
+                 + "".join(f" {a}={x}" for a, x in (knobs[0] if knobs else {}).items())
+                 + f": {type(e).__name__}: {str(e)[:3000]}")
   rng = np.random.default_rng(0)
   for (t, hq, hkv, d, per_head, kk) in [(1, 32, 8, 128, False, 300), (8, 32, 8, 128, True, 300),
                                          (7, 14, 2, 64, False, 0), (12, 12, 2, 128, False, 977)]:
@@ -822,6 +834,8 @@ def main(argv):
     collect2_plan(q3, sh)
   elif FLAGS.plan == "gamma":
     gamma_plan(q3, sh)
+  elif FLAGS.plan == "fold":
+    fold_plan(sh)
   elif FLAGS.plan == "topp":
     topp_plan(sh)
   elif FLAGS.plan == "tree":
@@ -906,6 +920,21 @@ def collect2_plan(q3, sh):
   for t in (8, 12):     # 8: 32 packed rows fill the tile, so the defaults take the product
     dense_case(q3, 4, 131072 // sh, t, ("off", "collect2"), with_ref=False, with_torch=False,
                chain="only", variants=product)
+
+
+def fold_plan(sh):
+  """Collect-2 at head_dim 64 (the 0.5B's shapes, where it runs +7-11% over scores off): the key
+  blocks every row sees folded 1-4 an iteration under one rescale of the accumulator (2 is the
+  default), 32-key blocks, the k @ qsum product at 128-key blocks, and a fourth pipeline stage,
+  8 chained calls each."""
+  c2 = lambda **kn: dict(scores="collect2", **kn)
+  variants = (c2(blocks_per_rescale=1), c2(blocks_per_rescale=3), c2(blocks_per_rescale=4),
+              c2(block_k=32, blocks_per_rescale=4), c2(num_stages=4),
+              c2(logits_store=False, block_k=128), dict(blocks_per_rescale=2))
+  for b in (64, 128):
+    for t in (7, 9):
+      dense_case("qwen2.5-0.5b", b, 24576 // sh, t, ("off", "collect2"), with_ref=False,
+                 with_torch=False, chain="only", variants=variants)
 
 
 def gamma_plan(q3, sh):

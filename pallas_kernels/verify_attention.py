@@ -215,7 +215,7 @@ def _hi_lo(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, g: int,
                    block_k: int, split_len: int, score_mode: str | None, tree: bool,
-                   store_rows: int = 0, paired: bool = False):
+                   store_rows: int = 0, fold: int = 1):
   # len_ref  []       int32  cache entries before the T new tokens
   # q_ref    [M, D]   bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
   # k_ref    [S, D]          this KV head's keys (the BlockSpec squeezes the head; row stride Hkv*D)
@@ -236,7 +236,7 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   #   the softmax uses; -inf where masked), written only for the keys below kv_end
   #   or 'pad' [S] in K's dtype: the scaled base-2 logits of the tile's last row, a padding row
   #   that holds the collected rows' summed query
-  # paired: the blocks every row sees run two an iteration, under one rescale of the accumulator
+  # fold: the blocks every row sees run `fold` an iteration, under one rescale of the accumulator
   refs = list(refs)
   qsum_ref = None if score_mode in (None, "store", "pad") else refs.pop(0)
   if tree:
@@ -326,19 +326,20 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   def step(i, carry, masked):
     return online_softmax.update(carry, *block(i, masked))
 
-  def pair(i, carry):
-    # Unmasked blocks 2i and 2i + 1 under one rescale, with its row reductions. At head_dim 64
-    # the padding row's kernel ran +7% over scores off this way, +15% a block an iteration (the
-    # 0.5B's shapes; benchmarks/RESULTS.md, forty-ninth session).
-    return online_softmax.update_blocks(carry, (block(2 * i, False), block(2 * i + 1, False)))
+  def folded(i, carry):
+    # Unmasked blocks fold*i ... fold*i + fold - 1 under one rescale, with its row reductions. At
+    # head_dim 64 the padding row's kernel ran +7% over scores off two blocks an iteration, +15%
+    # one (the 0.5B's shapes; benchmarks/RESULTS.md, forty-ninth session).
+    return online_softmax.update_blocks(
+        carry, tuple(block(fold * i + j, False) for j in range(fold)))
 
   carry = online_softmax.init(m_rows, d)
   if k_ref.shape[0] < block_k:     # a cache shorter than one block: masked blocks only
     n_full = 0
   first_single = 0
-  if paired:
-    carry = jax.lax.fori_loop(0, n_full // 2, pair, carry)
-    first_single = 2 * (n_full // 2)
+  if fold > 1:
+    carry = jax.lax.fori_loop(0, n_full // fold, folded, carry)
+    first_single = fold * (n_full // fold)
   carry = jax.lax.fori_loop(first_single, n_full, functools.partial(step, masked=False), carry)
   carry = jax.lax.fori_loop(n_full, n_blocks, functools.partial(step, masked=True), carry)
   acc, m_i, l_i = carry
@@ -435,7 +436,7 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, *refs, sm_scale: float, 
 
 def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, block_k,
                       num_splits, score_mode, num_warps, num_stages, interpret, store_rows=0,
-                      paired=False):
+                      fold=1):
   """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16 or 2R, D] or None, tree None or
   (full [], end [], bits [M]) (see _verify_kernel)
 
@@ -448,7 +449,7 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
   p = pl.cdiv(s, split_len)
   kernel = functools.partial(_verify_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
                              split_len=split_len, score_mode=score_mode, tree=tree is not None,
-                             store_rows=store_rows, paired=paired)
+                             store_rows=store_rows, fold=fold)
   in_specs = [pl.BlockSpec((), lambda h, i: ()),
               pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
               pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
@@ -654,7 +655,8 @@ def runs_heads_as_columns(t: int, hq: int, hkv: int, d: int, score_kind: str | N
 
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
-    "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store", "logits_store"))
+    "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store", "logits_store",
+    "blocks_per_rescale"))
 def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
                      lengths: jax.Array, *,
                      score_kind: str | None = None,
@@ -665,7 +667,8 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
                      num_stages: int = 3, tree_bits: jax.Array | None = None,
                      score_heads: str = "mean", score_dtype=jnp.bfloat16,
                      weights_store: bool | None = None,
-                     logits_store: bool | None = None) -> tuple[jax.Array, jax.Array | None]:
+                     logits_store: bool | None = None,
+                     blocks_per_rescale: int | None = None) -> tuple[jax.Array, jax.Array | None]:
   """Pallas flash-decoding verification attention; same contract as verify_attention_reference,
   `tree_bits` included (None compiles the chain's kernels, unchanged).
 
@@ -676,7 +679,9 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   Per-row 'logits' come from the main pass (each row's head-summed query, as for Collect-2);
   per-row 'weights' from a second pass over K, like the collected 'weights'. Knobs: `block_k` keys per
   tile (power of two >= 16), `num_splits` splits of the sequence per (sequence, KV head),
-  Triton's `num_warps` and `num_stages`; None takes the defaults of `tiling` (a decode that runs
+  Triton's `num_warps` and `num_stages`, `blocks_per_rescale` the key blocks every row sees folded
+  into the accumulator under one rescale (default 2 for the padding row's store at head_dim < 128,
+  else 1); None takes the defaults of `tiling` (a decode that runs
   its KV heads as one wide head, see the module docstring, takes the knobs, and their defaults,
   of that head_dim). q may come packed already (`PackedQueries`, from `rope_write`) wherever
   `runs_heads_as_columns` is False.
@@ -714,7 +719,8 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
     out, _ = verify_attention(
         _heads_as_columns(q, hkv), k.reshape(b, s, 1, wide), v.reshape(b, s, 1, wide), lengths,
         sm_scale=d ** -0.5 if sm_scale is None else sm_scale, interpret=interpret,
-        block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+        block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        blocks_per_rescale=blocks_per_rescale)
     return _own_columns(out, hkv), None
   if t > s:
     raise ValueError(f"T={t} new tokens do not fit a cache of {s}")
@@ -767,9 +773,13 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
     score_mode, qsum = "sum", _summed_query(qp, row_idx, k.dtype)
   # Two key blocks an iteration where the padding row's store runs at head_dim < 128 (64-key
   # blocks); at head_dim 128 (128-key blocks) a pair of 64-key blocks was 29-33% slower.
-  paired = score_mode == "pad" and d < 128
+  if blocks_per_rescale is None:
+    blocks_per_rescale = 2 if score_mode == "pad" and d < 128 else 1
+  elif blocks_per_rescale < 1:
+    raise ValueError(f"blocks_per_rescale must be a positive integer, got {blocks_per_rescale}")
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
-                                    score_mode=score_mode, store_rows=store_rows, paired=paired,
+                                    score_mode=score_mode, store_rows=store_rows,
+                                    fold=blocks_per_rescale,
                                     **common))(
                                         qp, k, v, lengths, qsum, tree)
   o, lse2 = combine_splits(*outs[:3])                   # [B,Hkv,M,D], [B,Hkv,M]

@@ -203,6 +203,28 @@ def test_padding_row_kernel_pairs_its_blocks_below_head_dim_128():
   assert loops(64, score_kind="logits") == 3
   assert loops(64, score_kind="logits", logits_store=False) == 2
   assert loops(64) == loops(128) == loops(128, score_kind="logits") == 2
+  # blocks_per_rescale overrides the default either way; 1 keeps the two loops.
+  assert loops(64, score_kind="logits", blocks_per_rescale=1) == 2
+  assert loops(128, blocks_per_rescale=4) == 3
+  q, k = jnp.zeros((1, 9, 7, 64), jnp.bfloat16), jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="blocks_per_rescale must be a positive integer, got 0"):
+    va.verify_attention(q, k, k, jnp.zeros((1,), jnp.int32), interpret=True, blocks_per_rescale=0)
+
+
+@pytest.mark.parametrize("fold,opts,store", [(3, dict(score_kind="logits"), None), (4, {}, None),
+                                             (3, dict(score_kind="logits"), False)])
+def test_blocks_folded_under_one_rescale_match_the_reference(fold, opts, store):
+  """Three or four key blocks an iteration, with a remainder of single blocks (16-key blocks over
+  splits of 8-9 blocks): the reference's output and Collect-2 scores."""
+  _, (out, scores), (ref, ref_scores) = _verify_both(
+      9, 7, 1, 64, dict(block_k=16, num_splits=2, blocks_per_rescale=fold, logits_store=store),
+      **opts)
+  assert _rel_err(out, ref) < 1e-2
+  if opts:
+    sc, rs = np.asarray(scores, np.float32), np.asarray(ref_scores, np.float32)
+    np.testing.assert_array_equal(np.isinf(sc), np.isinf(rs))
+    fin = np.isfinite(rs)
+    np.testing.assert_allclose(sc[fin], rs[fin], rtol=2e-2, atol=2e-2 * np.abs(rs[fin]).max())
 
 
 def test_logits_store_is_chosen_where_a_tile_of_at_most_64_rows_has_one_free():
