@@ -61,7 +61,8 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "ga
                   "product, at a vegas round's shapes (0.5B and 1.5B, B 64 and 128 x 24576, "
                   "T = 7 and 9; Qwen3-8B, B 4 x 131072, T = 8 and 12), 8 chained calls each; "
                   "fold: Collect-2's verification kernel at the 0.5B's four collect2 shapes "
-                  "with its key blocks folded 1-4 an iteration under one rescale, 32-key "
+                  "with its key blocks folded 1-4 an iteration under one rescale (4 and 8 "
+                  "warps), 32-key "
                   "blocks, the product at 128-key blocks and 4 pipeline stages, against scores "
                   "off, 8 chained calls each; "
                   "gamma: the verification kernel at long rounds (T = gamma + 1 up to 17: "
@@ -925,10 +926,12 @@ def collect2_plan(q3, sh):
 def fold_plan(sh):
   """Collect-2 at head_dim 64 (the 0.5B's shapes, where it runs +7-11% over scores off): the key
   blocks every row sees folded 1-4 an iteration under one rescale of the accumulator (2 is the
-  default), 32-key blocks, the k @ qsum product at 128-key blocks, and a fourth pipeline stage,
-  8 chained calls each."""
+  default), with 4 warps (the default) and 8, 32-key blocks, the k @ qsum product at 128-key
+  blocks, and a fourth pipeline stage, 8 chained calls each."""
   c2 = lambda **kn: dict(scores="collect2", **kn)
-  variants = (c2(blocks_per_rescale=1), c2(blocks_per_rescale=3), c2(blocks_per_rescale=4),
+  variants = (c2(num_warps=8), c2(num_warps=8, blocks_per_rescale=3),
+              c2(num_warps=8, blocks_per_rescale=4),
+              c2(blocks_per_rescale=1), c2(blocks_per_rescale=3), c2(blocks_per_rescale=4),
               c2(block_k=32, blocks_per_rescale=4), c2(num_stages=4),
               c2(logits_store=False, block_k=128), dict(blocks_per_rescale=2))
   for b in (64, 128):
