@@ -47,7 +47,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "benchmarks/out/kernels.json", "where to write the JSON results")
 flags.DEFINE_bool("check", True, "first check every kernel against its reference on small shapes")
 flags.DEFINE_bool("sweep", True, "time a few tuning-knob variants of the main cases")
-flags.DEFINE_list("only", [], "run only cases whose name starts with one of these prefixes")
+flags.DEFINE_list("only", [], "run only these: the full and followup plans' groups (decode, "
+                  "verify, sparse, small, topk, swiglu), or the verification and sparse "
+                  "cases whose name starts with one of these prefixes, in any plan")
 flags.DEFINE_integer("batches", 7, "timed batches per measurement (median reported)")
 flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
@@ -160,8 +162,17 @@ def sparse_attention(*a, **k):
   return _sparse.sparse_attention(*a, interpret=FLAGS.interpret, **k)
 
 
+GROUPS = ("decode", "verify", "sparse", "small", "topk", "swiglu")   # the full plan's sections
+
+
 def wanted(name: str) -> bool:
   return not FLAGS.only or any(name.startswith(p) for p in FLAGS.only)
+
+
+def case_wanted(name: str) -> bool:
+  """A dense or sparse case runs where --only names a group (the plans choose those) or a prefix
+  of the case's name."""
+  return not FLAGS.only or any(p in GROUPS or name.startswith(p) for p in FLAGS.only)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,13 +500,15 @@ def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(
     while shape.children[main[-1]]:
       main.append(shape.children[main[-1]][0])
     rows_of = dict(score_rows=(0, main[-1]))
+  name = (f"{'decode' if t == 1 else 'verify'} {model} B{b}xL{s} T{t}"
+          + (f" tree={'.'.join(map(str, tree))}" if tree is not None else ""))
+  if not case_wanted(name):
+    return
   k, v = cache(b, s, hkv, d)
   lengths = jnp.full((b,), s - t, jnp.int32)
   # Arrays are passed as arguments (closed-over arrays would be baked into the program).
   qs = [(rand(10 + i, (b, t, hq, d)), k, v, lengths) for i in range(2)]
   base = kv_bytes(b * s, hkv, d)
-  name = (f"{'decode' if t == 1 else 'verify'} {model} B{b}xL{s} T{t}"
-          + (f" tree={'.'.join(map(str, tree))}" if tree is not None else ""))
   # Each mode at default knobs, then the tuning variants ("scores" in a variant picks its mode).
   cases = [(mode, {}) for mode in modes] + [
       (kn.get("scores", "off"), {a: x for a, x in kn.items() if a != "scores"}) for kn in variants]
@@ -544,14 +557,16 @@ def sparse_case(model, b, s, kk, t, per_head=False, sort=True, with_ref=True, va
     t = shape.size
     tree_kw = dict(tree_bits=jnp.asarray(shape.ancestor_bits))
   tail = 64
+  name = (f"sparse {model} B{b}xL{s} K{kk}+{tail} T{t}" + (" per-head" if per_head else "")
+          + ("" if sort else " unsorted")
+          + (f" tree={'.'.join(map(str, tree))}" if tree is not None else ""))
+  if not case_wanted(name):
+    return
   k, v = cache(b, s, hkv, d)
   idx, cnt, tail_start = sparse_inputs(b, s, hkv, kk, tail, per_head, sort)
   lengths = tail_start + tail
   qs = [(rand(20 + i, (b, t, hq, d)), k, v, idx, cnt, tail_start, lengths) for i in range(2)]
   nbytes = kv_bytes(b * (kk + tail + t), hkv, d) + idx.size * 4
-  name = (f"sparse {model} B{b}xL{s} K{kk}+{tail} T{t}" + (" per-head" if per_head else "")
-          + ("" if sort else " unsorted")
-          + (f" tree={'.'.join(map(str, tree))}" if tree is not None else ""))
   if tree is not None:
     fn = functools.partial(sparse_attention, **tree_kw)
     record(name, "pallas", lambda: time_jax(fn, qs), nbytes)

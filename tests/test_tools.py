@@ -89,3 +89,14 @@ def test_lossless_is_qualified_where_claimed():
   assert re.search(r"\d+(\.\d+)?% of vanilla's tokens came before the first difference", measured)
   help_text = run_module("jaxspec.generate", "--helpshort").stdout
   assert "float32" in help_text and "bfloat16" in help_text
+
+
+def test_kernels_only_runs_the_cases_it_names(tmp_path):
+  """--only keeps a plan's verification cases whose name starts with a prefix it gives (on a CPU
+  each timed case records its error row under its name, which is enough to see which ran)."""
+  out = tmp_path / "k.json"
+  res = run_module("benchmarks.kernels", "--plan=fold", "--shrink=48", "--nocheck",
+                   "--only=verify qwen2.5-0.5b B128xL512 T9", f"--out={out}")
+  assert res.returncode == 0, res.stderr[-2000:]
+  cases = {r["case"] for r in json.loads(out.read_text())["results"]}
+  assert cases == {"copy 2 GiB (read+write)", "verify qwen2.5-0.5b B128xL512 T9"}, cases

@@ -57,7 +57,6 @@ partition, runs under `shard_map` on each device's full copy.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import ClassVar
 
@@ -136,13 +135,10 @@ def pool_scores(scores: jax.Array, prefix: jax.Array, width: int) -> jax.Array:
   the prefix's last keys (width odd; 1 returns the scores as they are)."""
   if width == 1:
     return scores
-  s, h = scores.shape[-1], width // 2
-  valid = jnp.arange(s)[None, None, :] < prefix[None, :, None]
+  valid = jnp.arange(scores.shape[-1])[None, None, :] < prefix[None, :, None]
   low = jnp.array(-jnp.inf, scores.dtype)
-  padded = jnp.pad(jnp.where(valid, scores, low), ((0, 0), (0, 0), (h, h)), constant_values=low)
-  # The maximum of `width` shifted slices, one fusion for XLA; lax.reduce_window's was several
-  # times slower, on a CPU as on an H200 (benchmarks/RESULTS.md, fifty-sixth session).
-  return functools.reduce(jnp.maximum, [padded[..., o:o + s] for o in range(width)])
+  return jax.lax.reduce_window(jnp.where(valid, scores, low), low, jax.lax.max, (1, 1, width),
+                               (1, 1, 1), "SAME")
 
 
 def _row_of_last_accepted(scores, accepted):
