@@ -772,7 +772,9 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   elif score_kind == "logits":
     score_mode, qsum = "sum", _summed_query(qp, row_idx, k.dtype)
   # Two key blocks an iteration where the padding row's store runs at head_dim < 128 (64-key
-  # blocks); at head_dim 128 (128-key blocks) a pair of 64-key blocks was 29-33% slower.
+  # blocks); at head_dim 128 (128-key blocks) a pair of 64-key blocks was 29-33% slower. At the
+  # 0.5B's shapes over scores off (H200, RESULTS.md, fifty-sixth session): two +9-11%, one or three
+  # +23-26%, four +98-103%, eight warps +123% or more; scores off itself ran 4-7% slower paired.
   if blocks_per_rescale is None:
     blocks_per_rescale = 2 if score_mode == "pad" and d < 128 else 1
   elif blocks_per_rescale < 1:
