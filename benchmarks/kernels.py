@@ -64,9 +64,8 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "ga
                   "T = 7 and 9; Qwen3-8B, B 4 x 131072, T = 8 and 12), 8 chained calls each; "
                   "fold: Collect-2's verification kernel at the 0.5B's four collect2 shapes "
                   "with its key blocks folded 1-4 an iteration under one rescale (4 and 8 "
-                  "warps), 32-key "
-                  "blocks, the product at 128-key blocks and 4 pipeline stages, against scores "
-                  "off, 8 chained calls each; "
+                  "warps), 32-key blocks, the product at 128-key blocks and 4 pipeline stages, "
+                  "against scores off, 8 chained calls each; "
                   "gamma: the verification kernel at long rounds (T = gamma + 1 up to 17: "
                   "more packed query rows than one 64-row tile), with and without Collect-2's "
                   "scores, and its tile knobs there; "
@@ -278,6 +277,9 @@ def check_all() -> bool:
   for (t, hq, hkv, d, kind, rows, *knobs) in verify_cases:
     if "verify" not in groups:
       break
+    knobs = knobs[0] if knobs else {}
+    label = (f"verify T={t} {hq}/{hkv}/{d} {kind}"
+             + "".join(f" {a}={x}" for a, x in knobs.items()))
     try:
       b, s = 3, 1000
       k, v = cache(b, s, hkv, d, seed=t)
@@ -285,15 +287,13 @@ def check_all() -> bool:
       lengths = jnp.array([0, 517, s - t], jnp.int32)
       opts = dict(score_kind=kind, per_row=True) if rows == "per_row" else dict(
           score_kind=kind, score_rows=rows)
-      knobs = knobs[0] if knobs else {}
       out, sc = verify_attention(q, k, v, lengths, **opts, **knobs)
       ro, rs = verify_attention_reference(q, k, v, lengths, **opts)
       if rows == "per_row":   # check row T-1 of the dump like a collected score row
         sc, rs = sc[:, -1], rs[:, -1]
       e = rel_err(out, ro)
       good = e < 1e-2 and not bool(jnp.isnan(out).any())
-      msg = (f"verify T={t} {hq}/{hkv}/{d} {kind} rows={rows}"
-             + "".join(f" {a}={x}" for a, x in knobs.items()) + f": out err {e:.1e}")
+      msg = f"{label} rows={rows}: out err {e:.1e}"
       if kind is not None:
         fin = jnp.isfinite(rs)
         same_mask = bool(jnp.all(jnp.isfinite(sc) == fin))
@@ -309,9 +309,7 @@ def check_all() -> bool:
       ok &= good
     except Exception as e:
       ok = False
-      check_line(f"FAIL verify T={t} {hq}/{hkv}/{d} {kind}"
-                 + "".join(f" {a}={x}" for a, x in (knobs[0] if knobs else {}).items())
-                 + f": {type(e).__name__}: {str(e)[:3000]}")
+      check_line(f"FAIL {label}: {type(e).__name__}: {str(e)[:3000]}")
   rng = np.random.default_rng(0)
   for (t, hq, hkv, d, per_head, kk) in [(1, 32, 8, 128, False, 300), (8, 32, 8, 128, True, 300),
                                          (7, 14, 2, 64, False, 0), (12, 12, 2, 128, False, 977)]:

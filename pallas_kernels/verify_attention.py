@@ -679,11 +679,11 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   Per-row 'logits' come from the main pass (each row's head-summed query, as for Collect-2);
   per-row 'weights' from a second pass over K, like the collected 'weights'. Knobs: `block_k` keys per
   tile (power of two >= 16), `num_splits` splits of the sequence per (sequence, KV head),
-  Triton's `num_warps` and `num_stages`, `blocks_per_rescale` the key blocks every row sees folded
-  into the accumulator under one rescale (default 2 for the padding row's store at head_dim < 128,
-  else 1); None takes the defaults of `tiling` (a decode that runs
+  Triton's `num_warps` and `num_stages`; None takes the defaults of `tiling` (a decode that runs
   its KV heads as one wide head, see the module docstring, takes the knobs, and their defaults,
-  of that head_dim). q may come packed already (`PackedQueries`, from `rope_write`) wherever
+  of that head_dim). `blocks_per_rescale`: the key blocks every row sees, folded into the
+  accumulator under one rescale (None: 2 for the padding row's store at head_dim < 128, else 1).
+  q may come packed already (`PackedQueries`, from `rope_write`) wherever
   `runs_heads_as_columns` is False.
   `weights_store`: collected 'weights' (not per row, no tree) from the main pass's stored logits
   rather than a second pass over K; None (the default) stores where that moves fewer bytes: the
