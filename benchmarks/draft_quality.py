@@ -24,7 +24,8 @@ rounds' attention is the pure-JAX reference's by default, which runs on any devi
 `--backend=pallas` (a GPU) the verification and draft passes run the engine's kernels, whose
 Collect-2 scores are computed and rounded as the engine's are, so two trees' kernels can be
 compared on the same rounds. The passages' prefill stays on the reference. `--score_pool=1,9` runs
-the vegas family once per pooling width of its scores (`policies.pool_scores`), and
+the vegas family once per pooling width of its scores (`policies.pool_scores`), `--score_block=1,8`
+once per selection block (`policies.per_layer_topk`: whole aligned blocks at the same budget), and
 `--draft_mlp=model,fp8` each method's draft passes with the model's MLP weights and with FP8
 copies of them (`jaxspec.model.fp8`, what `RunConfig.fp8_drafts` drafts with), on the same
 rounds.
@@ -51,8 +52,9 @@ from tqdm import tqdm
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
 from jaxspec import cli
-from jaxspec.drafting.policies import (POOLED, SCORE_POOL, SELF_DRAFTING, SelectionPolicy,
-                                       check_score_pool, make_policy, static_k_max)
+from jaxspec.drafting.policies import (POOLED, SCORE_BLOCK, SCORE_POOL, SELF_DRAFTING,
+                                       SelectionPolicy, check_score_block, check_score_pool,
+                                       make_policy, static_k_max)
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams, probabilities
 from jaxspec.model.attention import BACKENDS, Dense
@@ -82,6 +84,9 @@ def define_flags() -> None:
   flags.DEFINE_list("score_pool", [str(SCORE_POOL)], "the vegas family's score pooling widths "
                     "(`policies.pool_scores`; odd, 1: the scores as they are), each method run "
                     "once per width on the same rounds")
+  flags.DEFINE_list("score_block", [str(SCORE_BLOCK)], "the vegas family's selection blocks "
+                    "(`policies.per_layer_topk`; 1: position by position), each method run once "
+                    "per block on the same rounds")
   flags.DEFINE_list("draft_mlp", ["model"], "the draft passes' MLP weights, each method run once "
                     "per entry: 'model' (the model's own) and 'fp8' (FP8 copies, "
                     "jaxspec.model.fp8; rows 'METHOD fp8')")
@@ -220,6 +225,15 @@ def main(argv):
       check_score_pool(w)
   except ValueError as e:
     cli.fail(prog, f"--score_pool: {e}")
+  try:
+    blocks = [int(n) for n in fv.score_block]
+  except ValueError:
+    cli.fail(prog, f"--score_block takes positive integers, got {','.join(fv.score_block)}")
+  try:
+    for n in blocks:
+      check_score_block(n)
+  except ValueError as e:
+    cli.fail(prog, f"--score_block: {e}")
   if not fv.draft_mlp or set(fv.draft_mlp) - set(DRAFT_MLP):
     cli.fail(prog, f"--draft_mlp takes {' and '.join(DRAFT_MLP)}, got {fv.draft_mlp}")
   if fv.temperature <= 0:
@@ -248,24 +262,27 @@ def main(argv):
   settings = dict(model=fv.model, dtype=fv.dtype, context=context,
                   passages=fv.passages, rounds=rounds, gamma=gamma, stride=stride,
                   sparsity=fv.sparsity, min_tokens=fv.min_tokens, score_pools=pools,
+                  score_blocks=blocks,
                   backend=fv.backend,
                   sampling=dataclasses.asdict(sampling), seed=fv.seed, device=device_name(),
                   commit=git_commit(), date=datetime.date.today().isoformat(), argv=sys.argv)
   if "fp8" in fv.draft_mlp:
     add_fp8_mlps(loaded.model)
   rows, first = [], None
-  for method, pool, mlp in itertools.product(fv.methods, pools, fv.draft_mlp):
-    if pool != pools[0] and method not in POOLED:
-      continue   # the other policies take no scores to pool: the same rows again
+  for method, pool, block, mlp in itertools.product(fv.methods, pools, blocks, fv.draft_mlp):
+    if (pool, block) != (pools[0], blocks[0]) and method not in POOLED:
+      continue   # the other policies take no scores to pool or block: the same rows again
     policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
                          k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens),
-                         score_pool=pool)
+                         score_pool=pool, score_block=block)
     alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
                                 rounds=rounds, sampling=sampling, cache_dtype=dtype,
                                 backend=fv.backend, fp8_mlp=mlp == "fp8", progress=True)
     label = method + (f" pool {pool}" if len(pools) > 1 and method in POOLED else "")
+    label += f" block {block}" if len(blocks) > 1 and method in POOLED else ""
     rows.append(dict(method=label if mlp == "model" else f"{label} fp8", draft_mlp=mlp,
                      score_pool=pool if method in POOLED else None,
+                     score_block=block if method in POOLED else None,
                      **summary(alpha, first), alpha=alpha.round(5).tolist()))
     first = alpha if first is None else first
     write_json(fv.out, dict(settings, rows=rows))

@@ -29,7 +29,8 @@
 #               not independent;
 #               SUFFIX is appended to the output file's name; FP8_DRAFTS=1 passes --fp8_drafts: the
 #               speculative methods draft on FP8 copies of the MLP weights; SCORE_POOL=W passes
-#               --score_pool=W: the vegas family pools its scores over W positions before the top-k)
+#               --score_pool=W: the vegas family pools its scores over W positions before the top-k;
+#               SCORE_BLOCK=N passes --score_block=N: its top-k keeps aligned blocks of N positions)
 #   prefill     one-prompt prefills (a serving refill) of 16K-32K tokens against the bf16 matmul
 #               rate, random weights, the 1.5B then the 0.5B, prompts padded to powers of two and
 #               to eight lengths per power of two, with a kernel trace (SUFFIX as above)
@@ -121,7 +122,8 @@ SCHEDULE=; [ -f /tmp/ckpt/qwen2.5-coder-1.5b/ssv_schedule.json ] && SCHEDULE=/tm
 EOS_FLAG= EOS_TAG=
 if [ "${IGNORE_EOS:-0}" = 1 ]; then EOS_FLAG=--ignore_eos EOS_TAG=_ignore_eos; fi
 FP8_FLAG=; [ "${FP8_DRAFTS:-0}" = 1 ] && FP8_FLAG=--fp8_drafts
-POOL_FLAG=; [ -n "${SCORE_POOL:-}" ] && POOL_FLAG=--score_pool=$SCORE_POOL
+SCORE_FLAGS=; [ -n "${SCORE_POOL:-}" ] && SCORE_FLAGS=--score_pool=$SCORE_POOL
+[ -n "${SCORE_BLOCK:-}" ] && SCORE_FLAGS="$SCORE_FLAGS --score_block=$SCORE_BLOCK"
 for step in "$@"; do
   echo "=== $step ==="
   case $step in
@@ -169,7 +171,7 @@ for step in "$@"; do
         --methods=${METHODS:-none,streaming,quest,specextend,vegas-all,vegas,vegas@${RATIO:-0.07}} \
         --gammas=default=${GAMMA:-6} $EOS_FLAG --num_requests=${REQUESTS:-512} --warmup_s=${WARMUP:-6} --measure_s=${MEASURE:-12} \
         --prompt_buckets=${PROMPT_BUCKETS:-8} --chunk_rounds=${CHUNK_ROUNDS:-8} --seed=${SEED:-0} \
-        $FP8_FLAG $POOL_FLAG --out=$OUT/throughput_$step$TAG$EOS_TAG${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
+        $FP8_FLAG $SCORE_FLAGS --out=$OUT/throughput_$step$TAG$EOS_TAG${SUFFIX:-}.json 2>&1 | grep -v "^[IW]1" | tail -12 ;;
     prefill)
       for shape in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do
         python3 -m benchmarks.prefill --model=random:$shape --trace \

@@ -68,7 +68,9 @@ copy ceiling in the JSON is still one device's. --disaggregate (short and long w
 the refills on a second device while the first one decodes (`Runner.serve`). --fp8_drafts runs
 the speculative methods' draft steps on FP8 copies of the MLP weights (`jaxspec.model.fp8`, one
 device); the JSON's header says so. --score_pool=W pools the vegas family's scores over W
-positions before its top-k (`jaxspec.drafting.policies.pool_scores`; the header records it).
+positions before its top-k (`jaxspec.drafting.policies.pool_scores`), --score_block=N has its
+top-k keep aligned blocks of N positions (`jaxspec.drafting.policies.per_layer_topk`); the header
+records both.
 """
 from __future__ import annotations
 
@@ -139,6 +141,9 @@ _MIN_TOKENS = flags.DEFINE_integer("min_tokens", 256, "smallest KV budget")
 _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas scores")
 _SCORE_POOL = flags.DEFINE_integer("score_pool", policies.SCORE_POOL, "vegas family: the scores' "
                                    "pooling width before the top-k (odd; 1: as they are)")
+_SCORE_BLOCK = flags.DEFINE_integer("score_block", policies.SCORE_BLOCK, "vegas family: the "
+                                    "top-k keeps aligned blocks of this many positions (1: "
+                                    "position by position)")
 _BATCH = flags.DEFINE_integer("batch", 64, "decode slots")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "per request (default 4096 short, 1024 "
                                 "long and continuation)")
@@ -326,7 +331,7 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
     settings = dict(sparsity=ratio)
   return Runner(model, method=method, gamma=None if widths else g,
                 min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                score_pool=_SCORE_POOL.value,
+                score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
                 draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
                 sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
                 tree_order=_TREE_ORDER.value, prompt_buckets=_PROMPT_BUCKETS.value,
@@ -518,6 +523,8 @@ def main(argv):
     check_prompt_buckets(_PROMPT_BUCKETS.value)
     if _SCORE_POOL.value < 1 or _SCORE_POOL.value % 2 == 0:
       raise ValueError(f"--score_pool must be an odd integer >= 1, got {_SCORE_POOL.value}")
+    if _SCORE_BLOCK.value < 1:
+      raise ValueError(f"--score_block must be an integer >= 1, got {_SCORE_BLOCK.value}")
     for entry in _METHODS.value:
       chunk_rounds(entry)
   except ValueError as e:
@@ -541,7 +548,8 @@ def main(argv):
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
                 fuse_projections=_fusing(), fp8_drafts=_FP8_DRAFTS.value,
-                score_pool=_SCORE_POOL.value, prompt_buckets=_PROMPT_BUCKETS.value,
+                score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
+                prompt_buckets=_PROMPT_BUCKETS.value,
                 argv=" ".join(sys.argv),
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
   if workload == "scale":
@@ -585,7 +593,8 @@ def main(argv):
         refine = planner.refinement if entry == "plan" else dataclasses.replace(
             planner.refinement, max_switches=0)
         runner = Runner(loaded.model, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                        score_pool=_SCORE_POOL.value, sampling=sampling, stop_ids=stop_ids,
+                        score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
+                        sampling=sampling, stop_ids=stop_ids,
                         backend=backend,
                         prompt_buckets=_PROMPT_BUCKETS.value,
                         planner=planning.Planner(planner.profile, planner.precision, refine),

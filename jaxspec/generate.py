@@ -44,6 +44,9 @@ context bucket and switch between chunks when acceptance stays below the profile
 --score_pool=W (odd) pools the vegas family's scores before its top-k: each position ranks by the
 largest score within W // 2 positions of it, so the drafts see spans around the keys that scored
 high (default 1, the paper's rule; the output distribution is the same at any width).
+--score_block=N has the vegas family's top-k rank aligned blocks of N positions by their best
+score and keep whole blocks at the same token budget (default 1, the paper's per-position rule;
+the output distribution is the same at any N).
 --fp8_drafts runs the draft steps' MLPs on FP8 copies of their weights (`jaxspec.model.fp8`,
 about half the MLP weights' memory again; one device, speculative methods); verification keeps
 the model's weights, so the output distribution is unchanged. On an H200 it made a vegas round of
@@ -145,6 +148,9 @@ _SCORE = flags.DEFINE_enum("score", "logits", ["logits", "weights"], "vegas crit
 _SCORE_POOL = flags.DEFINE_integer("score_pool", policies.SCORE_POOL, "vegas family: each "
                                    "position's score becomes the largest within score_pool // 2 "
                                    "positions before the top-k (odd; 1: the scores as they are)")
+_SCORE_BLOCK = flags.DEFINE_integer("score_block", policies.SCORE_BLOCK, "vegas family: the "
+                                    "top-k keeps aligned blocks of this many positions, ranked "
+                                    "by their best score (1: position by position)")
 _TP = flags.DEFINE_integer("tp", 1, "tensor parallelism: shard the model (and the draft model) "
                            "over this many devices, by attention head and MLP column")
 _COMPILATION_CACHE = flags.DEFINE_string(
@@ -262,9 +268,12 @@ def check_flags() -> SamplingParams:
     tree_widths()
     if _SCORE_POOL.value < 1 or _SCORE_POOL.value % 2 == 0:
       raise ValueError(f"--score_pool must be an odd integer >= 1, got {_SCORE_POOL.value}")
+    if _SCORE_BLOCK.value < 1:
+      raise ValueError(f"--score_block must be an integer >= 1, got {_SCORE_BLOCK.value}")
     if _METHOD.value in policies.SELF_DRAFTING:
       policies.validate(_METHOD.value, ratio=_SPARSITY.value, min_tokens=_MIN_TOKENS.value,
-                        score_kind=_SCORE.value, score_pool=_SCORE_POOL.value)
+                        score_kind=_SCORE.value, score_pool=_SCORE_POOL.value,
+                        score_block=_SCORE_BLOCK.value)
     if _METHOD.value in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is None:
       raise ValueError(f"--method={_METHOD.value} needs --draft_model")
     if (_METHOD.value not in (*DRAFT_MODEL_METHODS, "ssv") and _DRAFT_MODEL.value is not None
@@ -429,7 +438,7 @@ def main(argv):
   try:
     runner = Runner(loaded.model, method=_METHOD.value, gamma=_GAMMA.value,
                     sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                    score_pool=_SCORE_POOL.value,
+                    score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
                     draft_model=draft and draft.model, sampling=sampling, stop_ids=stop_ids,
                     cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value,
                     top_p_attn=_TOP_P_ATTN.value, layer_map=layer_map, attn_cap=_ATTN_CAP.value,

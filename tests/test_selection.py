@@ -124,6 +124,45 @@ def test_pooled_vegas_selects_the_top_k_of_the_pooled_scores(policy_cls):
   assert not np.array_equal(np.asarray(plain.indices), np.asarray(sel.indices))
 
 
+def block_reference(scores, prefix, block, k):
+  """The `k // block` best whole blocks of [0, prefix) by their largest score (ties: the lower
+  block), as the sorted positions they hold."""
+  n_full = prefix // block
+  best = scores[: n_full * block].reshape(n_full, block).max(-1)
+  order = np.lexsort((np.arange(n_full), -best))[: k // block]
+  return np.sort((order[:, None] * block + np.arange(block)).ravel())
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("policy_cls, block", [(selection.Vegas, 8), (selection.Vegas, 5),
+                                               (selection.VegasLast, 16)])
+def test_block_vegas_keeps_whole_blocks_at_the_token_budget(policy_cls, block, backend):
+  """With score_block the top-k ranks the prefix's whole aligned blocks by their best score and
+  keeps k // block of them whole; the partial last block is the dense tail's."""
+  rng = np.random.default_rng(6)
+  ratio, min_tokens = 0.2, 3
+  k_max = selection.static_k_max(S, ratio, min_tokens)
+  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_block=block,
+                      backend=backend)
+  cache, _ = random_cache()
+  accepted = jnp.zeros((B,), jnp.int32)
+  scores = jnp.asarray(rng.normal(size=(L, B, S)), jnp.bfloat16)
+  sel = policy.select_kv(cache, scores, cache.lengths, accepted)
+  prefix = LENGTHS + 1
+  np.testing.assert_array_equal(sel.tail_start, prefix // block * block)
+  assert sel.indices.shape[-1] == k_max // block * block
+  for l in range(L):
+    for b in range(B):
+      k = int(np.clip(np.ceil(np.float32(ratio) * prefix[b]), min_tokens, prefix[b]))
+      c = int(sel.counts[l, b])
+      assert c == k // block * block
+      want = block_reference(np.asarray(scores[l, b], np.float32), prefix[b], block, k)
+      np.testing.assert_array_equal(np.sort(np.asarray(sel.indices[l, b])[:c]), want)
+  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, backend=backend).select_kv(
+      cache, scores, cache.lengths, accepted)
+  assert visible_sets(plain, prefix, 1) != visible_sets(sel, prefix, 1)
+
+
 def test_per_row_score_dump_matches_the_reference_row_by_row():
   cache, q = random_cache(1)
   plan = Dense(scores=ScoreSpec("weights", per_row=True))
@@ -244,7 +283,8 @@ def test_selection_topk_picks_the_reference_set():
   scores = jnp.asarray(rng.normal(size=(2, 6, 128)), jnp.bfloat16)     # [L, B, S]
   prefix = jnp.asarray([128, 100, 64, 17, 5, 90])
   args = dict(ratio=0.1, min_tokens=3, k_max=13)
-  idx, cnt = selection.per_layer_topk(scores, prefix, **args)
+  idx, cnt, tail_start = selection.per_layer_topk(scores, prefix, **args)
+  np.testing.assert_array_equal(tail_start, prefix)
   p = np.asarray(prefix)
   want = np.ceil(np.float32(0.1) * p.astype(np.float32))           # the budget rule, in f32
   want = np.minimum(np.minimum(np.maximum(want, 3), p), 13)
@@ -281,6 +321,8 @@ def test_static_k_max_covers_every_budget():
     (dict(score_pool=0), "score pool must be an odd positive integer"),
     (dict(score_pool=4), "score pool must be an odd positive integer"),
     (dict(score_pool=True), "score pool must be an odd positive integer"),
+    (dict(score_block=0), "score block must be a positive integer"),
+    (dict(score_block=2.0), "score block must be a positive integer"),
 ])
 def test_bad_settings_raise(kwargs, match):
   args = dict(method="vegas", ratio=0.1, min_tokens=4, k_max=8, score_kind="logits")

@@ -107,6 +107,13 @@ def test_pooled_scores_keep_greedy_equal_to_vanilla(model, prompts, vanilla):
   assert stats.extra["mean_accepted_tokens"] < GAMMAS[0] + 1   # some drafts were rejected
 
 
+def test_block_selection_keeps_greedy_equal_to_vanilla(model, prompts, vanilla):
+  out, stats = spec(model, prompts, method="vegas", gamma=GAMMAS[0], sparsity=RATIOS[0],
+                    score_block=4)
+  assert out == vanilla
+  assert stats.extra["mean_accepted_tokens"] < GAMMAS[0] + 1   # some drafts were rejected
+
+
 def test_acceptance_summary():
   # per sequence, rounds with a = 0, 1, 2, 3 accepted drafts: a = 0, 0, 1, 3 and a = 3
   acc = acceptance_summary(np.array([[2, 1, 0, 1], [0, 0, 0, 1]]))
@@ -173,6 +180,7 @@ def test_profile_rounds_reports_phase_shares(model, prompts):
     (dict(method="medusa"), "unknown method"),
     (dict(score_kind="probs"), "score mode"),
     (dict(score_pool=2), "score pool"),
+    (dict(score_block=0), "score block"),
 ])
 def test_bad_input_raises(model, kwargs, match):
   args = dict(method="vegas", gamma=3, sparsity=0.1)

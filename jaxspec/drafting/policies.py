@@ -21,7 +21,11 @@ Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `bud
               'logits' (the paper's choice) or 'weights'; `score_pool` > 1 first replaces each
               position's score by the largest within score_pool // 2 positions of it
               (`pool_scores`), so that the top-k keeps spans around the keys that scored
-              high rather than the keys alone (the paper takes the scores as they are: 1).
+              high rather than the keys alone (the paper takes the scores as they are: 1);
+              `score_block` > 1 ranks aligned blocks of that many positions by their best
+              score and keeps whole blocks (`per_layer_topk`): the same token budget in
+              contiguous spans, from a top-k over score_block times fewer candidates (the
+              paper ranks positions: 1).
   vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation); vegas-last pools too.
   vegas-last  only the last accepted token's row. The corrected/bonus token itself (the paper's
               "last accepted token", its App. A) is not a query of this verification (it is fed
@@ -74,7 +78,8 @@ SELF_DRAFTING = ("dense", "vegas", "vegas-all", "vegas-last", "specextend", "str
 SCORE_KINDS = ("logits", "weights")
 NUM_SINKS = 4   # StreamingLLM's attention sinks
 SCORE_POOL = 1  # the vegas family's default pooling width (`pool_scores`)
-POOLED = ("vegas", "vegas-all", "vegas-last")   # the policies whose scores `score_pool` pools
+SCORE_BLOCK = 1  # the vegas family's default selection block (`per_layer_topk`): positions
+POOLED = ("vegas", "vegas-all", "vegas-last")   # the policies `score_pool` and `score_block` shape
 
 
 def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
@@ -94,10 +99,18 @@ _TOPK_KERNEL_MIN_ROWS = 256
 
 
 def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_tokens: int,
-                   k_max: int, backend: str = "reference", mesh: Mesh | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
-  """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, k_max], counts [L, B]),
-  k = `budget(prefix, ratio, min_tokens, k_max)` positions per sequence in every layer.
+                   k_max: int, block: int = SCORE_BLOCK, backend: str = "reference",
+                   mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, K], counts [L, B],
+  tail_start [B]) with k = `budget(prefix, ratio, min_tokens, k_max)` tokens per sequence in every
+  layer.
+
+  block 1 ranks positions: K = k_max, the top k positions before the prefix end, tail_start =
+  prefix. block > 1 ranks the prefix's whole aligned blocks of `block` positions by their largest
+  score and keeps the best k // block of them, every position of each (K = (k_max // block) *
+  block, counts a multiple of block); the partial last block joins the dense tail (tail_start =
+  the prefix rounded down to a block), so a draft sees at most block - 1 more positions than at
+  block 1.
 
   On the 'pallas' and 'interpret' backends, the sorting-free threshold select of
   `pallas_kernels.topk_select` (exact, ties to the lower position, positions ascending; at 24
@@ -119,14 +132,23 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
     method, interpret = "top_k", False
   else:
     method, interpret = "threshold", False
-  k = jnp.tile(budget(prefix, ratio, min_tokens, k_max), n_layers)     # [L * B]
+  k = budget(prefix, ratio, min_tokens, k_max)
+  n_full = prefix // block                               # whole blocks before the prefix end
+  if block > 1:
+    n_blocks = s // block
+    scores = scores[..., :n_blocks * block].reshape(n_layers, b, n_blocks, block).max(-1)
+    k, k_max = k // block, max(1, min(k_max // block, n_blocks))
+  k = jnp.tile(k, n_layers)                              # [L * B]
 
   def select(scores, lengths, k):
     return _topk.topk_select(scores, lengths, k, k_max=k_max, method=method, interpret=interpret)
   if mesh is not None and method == "pallas":
     select = jax.shard_map(select, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-  idx = select(scores.reshape(n_layers * b, s), jnp.tile(prefix, n_layers), k)
-  return idx.reshape(n_layers, b, k_max), k.reshape(n_layers, b)
+  idx = select(scores.reshape(n_layers * b, -1), jnp.tile(n_full, n_layers), k)
+  if block > 1:
+    idx = (idx[..., None] * block + jnp.arange(block, dtype=idx.dtype)).reshape(n_layers * b, -1)
+  return (idx.reshape(n_layers, b, -1), (k * block).reshape(n_layers, b),
+          (n_full * block).astype(jnp.int32))
 
 
 def pool_scores(scores: jax.Array, prefix: jax.Array, width: int) -> jax.Array:
@@ -156,6 +178,7 @@ class SelectionPolicy:
   k_max: int = 256
   score_kind: str = "logits"
   score_pool: int = SCORE_POOL
+  score_block: int = SCORE_BLOCK
   backend: str = "reference"
   mesh: Mesh | None = None
   name: ClassVar[str] = ""
@@ -172,6 +195,15 @@ class SelectionPolicy:
   def select_kv(self, cache: KVCache, scores: jax.Array | None, first_row: jax.Array,
                 accepted: jax.Array) -> Plan:
     raise NotImplementedError
+
+  def _top(self, scores: jax.Array, prefix: jax.Array) -> Sparse:
+    """The vegas family's plan: the top of `scores` [L, B, S] over the first `prefix` positions,
+    pooled (`score_pool`) and blocked (`score_block`) as the policy says."""
+    idx, cnt, tail_start = per_layer_topk(
+        pool_scores(scores, prefix, self.score_pool), prefix, ratio=self.ratio,
+        min_tokens=self.min_tokens, k_max=self.k_max, block=self.score_block,
+        backend=self.backend, mesh=self.mesh)
+    return Sparse(indices=idx, counts=cnt, tail_start=tail_start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,11 +229,7 @@ class Vegas(SelectionPolicy):
     return ScoreSpec(self.score_kind, rows=self.score_rows)
 
   def select_kv(self, cache, scores, first_row, accepted):
-    prefix = first_row + 1
-    idx, cnt = per_layer_topk(pool_scores(scores, prefix, self.score_pool), prefix,
-                              ratio=self.ratio, min_tokens=self.min_tokens, k_max=self.k_max,
-                              backend=self.backend, mesh=self.mesh)
-    return Sparse(indices=idx, counts=cnt, tail_start=prefix)
+    return self._top(scores, first_row + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,11 +252,8 @@ class VegasLast(SelectionPolicy):
     return ScoreSpec(self.score_kind, per_row=True)
 
   def select_kv(self, cache, scores, first_row, accepted):
-    prefix = first_row + accepted + 1        # the keys that row saw: the whole accepted prefix
-    row = pool_scores(_row_of_last_accepted(scores, accepted), prefix, self.score_pool)
-    idx, cnt = per_layer_topk(row, prefix, ratio=self.ratio, min_tokens=self.min_tokens,
-                              k_max=self.k_max, backend=self.backend, mesh=self.mesh)
-    return Sparse(indices=idx, counts=cnt, tail_start=prefix)
+    # The keys that row saw: the whole accepted prefix.
+    return self._top(_row_of_last_accepted(scores, accepted), first_row + accepted + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +322,7 @@ POLICIES: dict[str, type[SelectionPolicy]] = {
 
 
 def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str,
-             score_pool: int = SCORE_POOL) -> None:
+             score_pool: int = SCORE_POOL, score_block: int = SCORE_BLOCK) -> None:
   """Raise a clear ValueError for settings no policy accepts."""
   if method not in POLICIES:
     raise ValueError(f"unknown method {method!r} for self-drafting; choose one of "
@@ -309,6 +334,7 @@ def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str,
   if score_kind not in SCORE_KINDS:
     raise ValueError(f"score mode must be one of {', '.join(SCORE_KINDS)}, got {score_kind!r}")
   check_score_pool(score_pool)
+  check_score_block(score_block)
 
 
 def check_score_pool(width: int) -> None:
@@ -318,12 +344,21 @@ def check_score_pool(width: int) -> None:
                      f"got {width!r}")
 
 
+def check_score_block(block: int) -> None:
+  """Raise a one-line ValueError unless `block` is a positive integer (`per_layer_topk`)."""
+  if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+    raise ValueError(f"score block must be a positive integer (1: positions ranked one by one), "
+                     f"got {block!r}")
+
+
 def make_policy(method: str, *, ratio: float, min_tokens: int, k_max: int,
                 score_kind: str = "logits", score_pool: int = SCORE_POOL,
-                backend: str = "reference", mesh: Mesh | None = None) -> SelectionPolicy:
-  """The policy for a self-drafting method name (`score_pool` matters to the vegas family only)."""
+                score_block: int = SCORE_BLOCK, backend: str = "reference",
+                mesh: Mesh | None = None) -> SelectionPolicy:
+  """The policy for a self-drafting method name (`score_pool` and `score_block` matter to the
+  vegas family only)."""
   validate(method, ratio=ratio, min_tokens=min_tokens, score_kind=score_kind,
-           score_pool=score_pool)
+           score_pool=score_pool, score_block=score_block)
   return POLICIES[method](ratio=float(ratio), min_tokens=min_tokens, k_max=k_max,
-                          score_kind=score_kind, score_pool=score_pool,
+                          score_kind=score_kind, score_pool=score_pool, score_block=score_block,
                           backend=check_backend(backend), mesh=mesh)

@@ -151,7 +151,8 @@ class Strategy:
     tree = d.get("tree")
     return cls(**dict(d, tree=None if tree is None else tuple(tree)))
 
-  def run_config(self, base, *, min_tokens: int, score_kind: str, score_pool: int, mesh=None):
+  def run_config(self, base, *, min_tokens: int, score_kind: str, score_pool: int,
+                 score_block: int, mesh=None):
     """`base` (a `RunConfig` for the cache's capacity, with the runner's sampling, stop ids,
     backend and dtype; for an SSV strategy, the runner's draft model and SSV settings) with this
     strategy's gamma, drafter and tree (and SSV class and group)."""
@@ -165,7 +166,8 @@ class Strategy:
     policy = policies.make_policy(
         self.method, ratio=self.sparsity, min_tokens=min_tokens,
         k_max=policies.static_k_max(base.capacity, self.sparsity, min_tokens),
-        score_kind=score_kind, score_pool=score_pool, backend=base.backend, mesh=mesh)
+        score_kind=score_kind, score_pool=score_pool, score_block=score_block,
+        backend=base.backend, mesh=mesh)
     return dataclasses.replace(base, gamma=self.gamma, drafter=SelfDrafter(policy), tree=tree)
 
 

@@ -214,7 +214,9 @@ class Runner:
   method: one of METHODS; gamma: drafts per round (static); sparsity: the fraction of the prefix
   self-drafts attend to, in (0, 1]; min_tokens: the budget floor; score_kind: 'logits' | 'weights'
   for the vegas family; score_pool: its scores' pooling width before the top-k (odd; 1: the
-  paper's rule, the scores as they are; `jaxspec.drafting.policies.pool_scores`); draft_model:
+  paper's rule, the scores as they are; `jaxspec.drafting.policies.pool_scores`); score_block:
+  the positions its top-k keeps together, ranked as one by their best score (1: position by
+  position, the paper's rule; `jaxspec.drafting.policies.per_layer_topk`); draft_model:
   the drafter for methods 'draft', 'specattn' and 'sts' (same vocabulary as the target);
   top_p_attn, layer_map, attn_cap: method 'specattn''s kept attention mass in (0, 1], its map f
   (one draft layer per target layer, from `jaxspec.specattn_map`; None: the proportional map
@@ -252,7 +254,8 @@ class Runner:
 
   def __init__(self, model: Transformer, *, method: str = "none", gamma: int | None = None,
                sparsity: float = 0.07, min_tokens: int = 256, score_kind: str = "logits",
-               score_pool: int = policies.SCORE_POOL, draft_model: Transformer | None = None,
+               score_pool: int = policies.SCORE_POOL, score_block: int = policies.SCORE_BLOCK,
+               draft_model: Transformer | None = None,
                sampling: SamplingParams = SamplingParams(),
                stop_ids: Sequence[int] | None = None, cache_dtype=jnp.bfloat16,
                backend: str | None = None, tree: Sequence[int] | Tree | None = None,
@@ -291,7 +294,7 @@ class Runner:
                        f"the target's ({model.cfg.vocab_size}): they must share a tokenizer")
     if method in policies.SELF_DRAFTING:
       policies.validate(method, ratio=sparsity, min_tokens=min_tokens, score_kind=score_kind,
-                        score_pool=score_pool)
+                        score_pool=score_pool, score_block=score_block)
     self.specattn = None
     if method == "specattn":
       from jaxspec.specattn_map import check_layers, proportional_map
@@ -334,7 +337,7 @@ class Runner:
       self.gamma = requests.check_count("gamma (draft tokens per round)",
                                         DEFAULT_GAMMA if gamma is None else gamma)
     self.sparsity, self.min_tokens, self.score_kind = sparsity, min_tokens, score_kind
-    self.score_pool = score_pool
+    self.score_pool, self.score_block = score_pool, score_block
     self.sampling = sampling
     self.stop_ids = requests.check_stop_ids(stop_ids, model.cfg)
     self.cache_dtype = requests.check_dtype("cache_dtype", cache_dtype).name
@@ -386,8 +389,8 @@ class Runner:
       drafter = SelfDrafter(policies.make_policy(
           self.method, ratio=self.sparsity, min_tokens=self.min_tokens,
           k_max=policies.static_k_max(capacity, self.sparsity, self.min_tokens),
-          score_kind=self.score_kind, score_pool=self.score_pool, backend=self.backend,
-          mesh=self.mesh))
+          score_kind=self.score_kind, score_pool=self.score_pool, score_block=self.score_block,
+          backend=self.backend, mesh=self.mesh))
     config = RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                        backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
                        drafter=drafter, tree=self.tree, offload=self.offload, ssv=self.ssv,
@@ -395,7 +398,8 @@ class Runner:
     if strategy is None:
       return config
     return strategy.run_config(config, min_tokens=self.min_tokens, score_kind=self.score_kind,
-                               score_pool=self.score_pool, mesh=self.mesh)
+                               score_pool=self.score_pool, score_block=self.score_block,
+                               mesh=self.mesh)
 
   def _check_context(self, max_len: int) -> None:
     """The target's context is checked by `requests.check_request`; the draft model's here."""
