@@ -46,7 +46,7 @@ largest score within W // 2 positions of it, so the drafts see spans around the 
 high (default 1, the paper's rule; the output distribution is the same at any width).
 --score_block=N has the vegas family's top-k rank aligned blocks of N positions by their best
 score and keep whole blocks at the same token budget (default 1, the paper's per-position rule;
-the output distribution is the same at any N).
+the output distribution is the same at any N; 8 decoded the 0.5B 5.9% faster on an H200).
 --fp8_drafts runs the draft steps' MLPs on FP8 copies of their weights (`jaxspec.model.fp8`,
 about half the MLP weights' memory again; one device, speculative methods); verification keeps
 the model's weights, so the output distribution is unchanged. On an H200 it made a vegas round of

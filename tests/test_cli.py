@@ -75,6 +75,8 @@ BAD_FLAGS = [
     (["--prompt=hi", "--method=vegas", "--min_tokens=-1"], "min_tokens must be a non-negative"),
     (["--prompt=hi", "--method=vegas", "--score_pool=4"],
      "--score_pool must be an odd integer >= 1, got 4"),
+    (["--prompt=hi", "--method=vegas", "--score_block=0"],
+     "--score_block must be an integer >= 1, got 0"),
     (["--prompt= "], "--prompt is empty"),
     (["--max_new_tokens=3"], "give exactly one of --prompt or --prompt_file"),
     (["--prompt=hi", "--fp8_drafts"],

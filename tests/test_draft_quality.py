@@ -28,10 +28,11 @@ def setup():
   return model, tokens
 
 
-def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score_pool=1):
+def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score_pool=1, score_block=1):
   model, tokens = setup
   policy = make_policy(method, ratio=ratio, min_tokens=min_tokens,
-                       k_max=static_k_max(CAPACITY, ratio, min_tokens), score_pool=score_pool)
+                       k_max=static_k_max(CAPACITY, ratio, min_tokens), score_pool=score_pool,
+                       score_block=score_block)
   return expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
                              rounds=ROUNDS, sampling=PAPER, backend=backend)
 
@@ -61,6 +62,12 @@ def test_pooled_scores_select_other_keys_and_so_draft_other_distributions(setup)
   plain, pooled = (_alpha(setup, "vegas", 0.1, score_pool=w) for w in (1, 5))
   assert np.all((pooled >= 0) & (pooled <= 1 + 1e-5))
   assert np.abs(pooled - plain).max() > 1e-4
+
+
+def test_block_selection_selects_other_keys_and_so_draft_other_distributions(setup):
+  plain, blocked = (_alpha(setup, "vegas", 0.1, score_block=n) for n in (1, 4))
+  assert np.all((blocked >= 0) & (blocked <= 1 + 1e-5))
+  assert np.abs(blocked - plain).max() > 1e-4
 
 
 def test_the_kernels_give_the_references_alphas(setup):
@@ -109,6 +116,8 @@ def test_bad_settings_are_one_line_errors(setup):
     (["--draft_mlp=model,int4"], "--draft_mlp takes model and fp8, got ['model', 'int4']"),
     (["--score_pool=1,x"], "--score_pool takes odd positive integers, got 1,x"),
     (["--score_pool=1,4"], "--score_pool: score pool must be an odd positive integer"),
+    (["--score_block=1,y"], "--score_block takes positive integers, got 1,y"),
+    (["--score_block=8,0"], "--score_block: score block must be a positive integer"),
     (["--backend=pallas"], "--backend=pallas runs the kernels on a GPU; jax's backend here is cpu")])
 def test_the_command_refuses_bad_settings_in_one_line(tmp_path, args, message):
   out = tmp_path / "dq.json"

@@ -1,6 +1,6 @@
 """benchmarks.prefill: its FLOP count, the smoke run's rows (the numbers of a CPU run mean
-nothing), and its one-line errors; benchmarks.throughput's --prompt_buckets and --score_pool
-checked alike."""
+nothing), and its one-line errors; benchmarks.throughput's --prompt_buckets, --score_pool and
+--score_block checked alike."""
 import json
 import subprocess
 import sys
@@ -55,6 +55,7 @@ def test_bad_flags_are_a_one_line_error(tmp_path):
     ("--prompt_buckets=6",
      "prompt_buckets must be a power of two >= 1 (lengths per octave), got 6"),
     ("--score_pool=0", "--score_pool must be an odd integer >= 1, got 0"),
+    ("--score_block=-2", "--score_block must be an integer >= 1, got -2"),
 ])
 def test_throughput_refuses_bad_run_settings_before_loading(tmp_path, flag, message):
   out = tmp_path / "x.json"

@@ -58,7 +58,8 @@ def test_vegas_selects_the_top_k_of_the_reference_scores(policy_cls, rows, score
   cache, q = random_cache()
   ratio, min_tokens = 0.2, 3
   k_max = selection.static_k_max(S, ratio, min_tokens)
-  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_kind=score_kind)
+  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_kind=score_kind,
+                      score_block=1)
   spec = policy.verify_scores
   assert (spec.kind, spec.rows) == (score_kind, rows)
   scores = jnp.stack([verify_attention_reference(jnp.asarray(q[l]), cache.k[l], cache.v[l],
@@ -107,7 +108,8 @@ def test_pooled_vegas_selects_the_top_k_of_the_pooled_scores(policy_cls):
   rng = np.random.default_rng(4)
   ratio, min_tokens, width = 0.2, 3, 5
   k_max = selection.static_k_max(S, ratio, min_tokens)
-  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_pool=width)
+  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_pool=width,
+                      score_block=1)
   cache, _ = random_cache()
   accepted = jnp.zeros((B,), jnp.int32)
   scores = rng.normal(size=(L, B, S)).astype(np.float32)
@@ -119,7 +121,7 @@ def test_pooled_vegas_selects_the_top_k_of_the_pooled_scores(policy_cls):
       k = int(np.clip(np.ceil(ratio * prefix[b]), min_tokens, prefix[b]))
       assert int(sel.counts[l, b]) == k
       assert_top_k(pooled[l, b], np.asarray(sel.indices[l, b])[:k], prefix[b], k)
-  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max).select_kv(
+  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_block=1).select_kv(
       cache, jnp.asarray(scores), cache.lengths, accepted)
   assert not np.array_equal(np.asarray(plain.indices), np.asarray(sel.indices))
 
@@ -158,8 +160,8 @@ def test_block_vegas_keeps_whole_blocks_at_the_token_budget(policy_cls, block, b
       assert c == k // block * block
       want = block_reference(np.asarray(scores[l, b], np.float32), prefix[b], block, k)
       np.testing.assert_array_equal(np.sort(np.asarray(sel.indices[l, b])[:c]), want)
-  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, backend=backend).select_kv(
-      cache, scores, cache.lengths, accepted)
+  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_block=1,
+                     backend=backend).select_kv(cache, scores, cache.lengths, accepted)
   assert visible_sets(plain, prefix, 1) != visible_sets(sel, prefix, 1)
 
 
@@ -179,7 +181,8 @@ def test_per_row_score_dump_matches_the_reference_row_by_row():
 
 def test_vegas_last_uses_each_sequences_last_accepted_row():
   cache, q = random_cache(2)
-  policy = selection.VegasLast(ratio=0.1, min_tokens=2, k_max=selection.static_k_max(S, 0.1, 2))
+  policy = selection.VegasLast(ratio=0.1, min_tokens=2, k_max=selection.static_k_max(S, 0.1, 2),
+                               score_block=1)
   plan = Dense(scores=policy.verify_scores)
   dump = jnp.stack([attend(jnp.asarray(q[l]), None, None, cache.k[l], cache.v[l], cache.lengths,
                            plan, "reference")[1] for l in range(L)])       # [L, B, T, S]

@@ -22,11 +22,13 @@ Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `bud
               position's score by the largest within score_pool // 2 positions of it
               (`pool_scores`), so that the top-k keeps spans around the keys that scored
               high rather than the keys alone (the paper takes the scores as they are: 1);
-              `score_block` > 1 ranks aligned blocks of that many positions by their best
-              score and keeps whole blocks (`per_layer_topk`): the same token budget in
-              contiguous spans, from a top-k over score_block times fewer candidates (the
-              paper ranks positions: 1).
-  vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation); vegas-last pools too.
+              `score_block` ranks aligned blocks of that many positions by their best score
+              and keeps whole blocks (`per_layer_topk`): the same token budget in contiguous
+              spans, from a top-k over score_block times fewer candidates (the paper ranks
+              positions: 1, the default). Model-dependent (benchmarks/RESULTS.md, fifty-seventh
+              session): 8 decoded the 0.5B 5.9% faster on an H200, the 1.5B as fast, and cost
+              SmolLM2-135M 9.5% of its tokens a round teacher-forced at 4K. Lossless at any setting.
+  vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation); vegas-last pools and blocks too.
   vegas-last  only the last accepted token's row. The corrected/bonus token itself (the paper's
               "last accepted token", its App. A) is not a query of this verification (it is fed
               next round), so we take the row that produced it: row a (input d_a, or the previous
