@@ -28,7 +28,8 @@ Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `bud
               positions: 1, the default). Model-dependent (benchmarks/RESULTS.md, fifty-seventh
               session): 8 decoded the 0.5B 5.9% faster on an H200, the 1.5B as fast, and cost
               SmolLM2-135M 9.5% of its tokens a round teacher-forced at 4K. Lossless at any setting.
-  vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation); vegas-last pools and blocks too.
+  vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation); vegas-last pools and
+              blocks too.
   vegas-last  only the last accepted token's row. The corrected/bonus token itself (the paper's
               "last accepted token", its App. A) is not a query of this verification (it is fed
               next round), so we take the row that produced it: row a (input d_a, or the previous
