@@ -201,6 +201,20 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _checked_ints(prog: str, flag: str, values: list[str], kind: str, check) -> list[int]:
+  """A list flag's integers, each passed through `check`; a one-line failure naming the flag."""
+  try:
+    ints = [int(v) for v in values]
+  except ValueError:
+    cli.fail(prog, f"--{flag} takes {kind} integers, got {','.join(values)}")
+  try:
+    for n in ints:
+      check(n)
+  except ValueError as e:
+    cli.fail(prog, f"--{flag}: {e}")
+  return ints
+
+
 def main(argv):
   del argv
   prog = "benchmarks.draft_quality"
@@ -216,24 +230,8 @@ def main(argv):
       cli.fail(prog, f"{name} must be >= 1, got {value}")
   if not 1 <= fv.stride <= fv.gamma + 1:
     cli.fail(prog, f"stride must be in 1..gamma + 1 = {fv.gamma + 1}, got {fv.stride}")
-  try:
-    pools = [int(w) for w in fv.score_pool]
-  except ValueError:
-    cli.fail(prog, f"--score_pool takes odd positive integers, got {','.join(fv.score_pool)}")
-  try:
-    for w in pools:
-      check_score_pool(w)
-  except ValueError as e:
-    cli.fail(prog, f"--score_pool: {e}")
-  try:
-    blocks = [int(n) for n in fv.score_block]
-  except ValueError:
-    cli.fail(prog, f"--score_block takes positive integers, got {','.join(fv.score_block)}")
-  try:
-    for n in blocks:
-      check_score_block(n)
-  except ValueError as e:
-    cli.fail(prog, f"--score_block: {e}")
+  pools = _checked_ints(prog, "score_pool", fv.score_pool, "odd positive", check_score_pool)
+  blocks = _checked_ints(prog, "score_block", fv.score_block, "positive", check_score_block)
   if not fv.draft_mlp or set(fv.draft_mlp) - set(DRAFT_MLP):
     cli.fail(prog, f"--draft_mlp takes {' and '.join(DRAFT_MLP)}, got {fv.draft_mlp}")
   if fv.temperature <= 0:
