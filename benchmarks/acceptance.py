@@ -32,6 +32,7 @@ from absl import app, flags
 from benchmarks.common import (device_name, eos_settings, git_commit, repetition_summary,
                                write_json)
 from jaxspec import cli
+from jaxspec.drafting.policies import Scoring
 from jaxspec.engine.runner import METHODS, Runner
 from jaxspec.engine.sampling import SamplingParams
 
@@ -139,8 +140,8 @@ def main(argv):
   for method in _METHODS.value:
     t0 = time.perf_counter()
     runner = Runner(loaded.model, method=method, gamma=_GAMMA.value, sparsity=_SPARSITY.value,
-                    min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value, sampling=sampling,
-                    stop_ids=stop_ids, cache_dtype=dtype)
+                    min_tokens=_MIN_TOKENS.value, scoring=Scoring(kind=_SCORE.value),
+                    sampling=sampling, stop_ids=stop_ids, cache_dtype=dtype)
     outputs, stats = runner.generate(prompts, max_new_tokens=_MAX_NEW.value, seed=_SEED.value,
                                      chunk=_CHUNK.value)
     row = dict(stats.extra, new_tokens=stats.new_tokens, rounds=stats.rounds,

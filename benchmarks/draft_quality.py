@@ -52,7 +52,7 @@ from tqdm import tqdm
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
 from jaxspec import cli
-from jaxspec.drafting.policies import (POOLED, SCORE_BLOCK, SCORE_POOL, SELF_DRAFTING,
+from jaxspec.drafting.policies import (POOLED, SCORE_BLOCK, SCORE_POOL, SELF_DRAFTING, Scoring,
                                        SelectionPolicy, check_score_block, check_score_pool,
                                        make_policy, static_k_max)
 from jaxspec.engine.runner import Runner
@@ -272,7 +272,7 @@ def main(argv):
       continue   # the other policies take no scores to pool or block: the same rows again
     policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
                          k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens),
-                         score_pool=pool, score_block=block)
+                         scoring=Scoring(pool=pool, block=block))
     alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
                                 rounds=rounds, sampling=sampling, cache_dtype=dtype,
                                 backend=fv.backend, fp8_mlp=mlp == "fp8", progress=True)

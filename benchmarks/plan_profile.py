@@ -41,6 +41,7 @@ from tqdm import tqdm
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit
 from jaxspec import cli, requests
+from jaxspec.drafting.policies import Scoring
 from jaxspec.engine.planner import (Bucket, Expectation, Planner, Profile, Strategy,
                                     accepted_per_round, parse_strategy)
 from jaxspec.engine.runner import Runner
@@ -183,7 +184,7 @@ def main(argv):
     elif FLAGS.draft_model or FLAGS.ssv_schedule:
       raise ValueError("--draft_model and --ssv_schedule are for SSV strategies")
     runner = profiling_runner(loaded.model, strategies, min_tokens=FLAGS.min_tokens,
-                              score_kind=FLAGS.score, sampling=sampling, **extra)
+                              scoring=Scoring(kind=FLAGS.score), sampling=sampling, **extra)
 
     def book(batch, length):
       return workloads.continuation_prompts(loaded.tokenizer, batch, length, length, FLAGS.seed)

@@ -193,6 +193,11 @@ _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a s
                                   "while the first one decodes (short and long workloads)")
 
 
+def _scoring() -> policies.Scoring:
+  """--score, --score_pool and --score_block (`cli.scoring`)."""
+  return cli.scoring(_SCORE.value, _SCORE_POOL.value, _SCORE_BLOCK.value)
+
+
 def _fusing() -> bool:
   """Whether the models run with fused projections: --fuse_projections, on one device."""
   return _FUSE.value and _TP.value == 1
@@ -330,8 +335,7 @@ def make_runner(model, draft_model, entry: str, sampling: SamplingParams, stop_i
   else:
     settings = dict(sparsity=ratio)
   return Runner(model, method=method, gamma=None if widths else g,
-                min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
+                min_tokens=_MIN_TOKENS.value, scoring=_scoring(),
                 draft_model=draft_model if method in (*DRAFT_MODEL_METHODS, "ssv") else None,
                 sampling=sampling, stop_ids=stop_ids, backend=backend, tree=widths,
                 tree_order=_TREE_ORDER.value, prompt_buckets=_PROMPT_BUCKETS.value,
@@ -521,10 +525,7 @@ def main(argv):
   try:
     make_mesh(_TP.value)   # too few devices: one line before anything loads
     check_prompt_buckets(_PROMPT_BUCKETS.value)
-    if _SCORE_POOL.value < 1 or _SCORE_POOL.value % 2 == 0:
-      raise ValueError(f"--score_pool must be an odd integer >= 1, got {_SCORE_POOL.value}")
-    if _SCORE_BLOCK.value < 1:
-      raise ValueError(f"--score_block must be an integer >= 1, got {_SCORE_BLOCK.value}")
+    _scoring()
     for entry in _METHODS.value:
       chunk_rounds(entry)
   except ValueError as e:
@@ -592,8 +593,7 @@ def main(argv):
         # static-best: the profile's choice per bucket, never refined (no switches allowed).
         refine = planner.refinement if entry == "plan" else dataclasses.replace(
             planner.refinement, max_switches=0)
-        runner = Runner(loaded.model, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                        score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
+        runner = Runner(loaded.model, min_tokens=_MIN_TOKENS.value, scoring=_scoring(),
                         sampling=sampling, stop_ids=stop_ids,
                         backend=backend,
                         prompt_buckets=_PROMPT_BUCKETS.value,

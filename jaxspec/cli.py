@@ -10,6 +10,8 @@
   threaded checkpoint write) and delivers the signal when the block ends.
 - `quiet_logging()`: library logging stays quiet unless `--verbosity` is given (orbax logs every
   array it reads or writes).
+- `scoring(kind, pool, block)`: the vegas family's --score, --score_pool and --score_block flags
+  as one `jaxspec.drafting.policies.Scoring`, a bad value a one-line ValueError naming its flag.
 - `interrupt_point(phase)`: a test hook; see its docstring.
 """
 from __future__ import annotations
@@ -21,9 +23,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from absl import app, flags, logging
+
+if TYPE_CHECKING:
+  from jaxspec.drafting.policies import Scoring
 
 TEST_SIGNAL_ENV = "JAXSPEC_TEST_SIGNAL"
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -103,6 +108,16 @@ def quiet_logging() -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
     std_logging.getLogger("absl").setLevel(std_logging.ERROR)
+
+
+def scoring(kind: str, pool: int, block: int) -> Scoring:
+  """--score, --score_pool and --score_block as one setting (a one-line ValueError)."""
+  from jaxspec.drafting.policies import Scoring   # jax loads here, not for every CLI
+  if pool < 1 or pool % 2 == 0:
+    raise ValueError(f"--score_pool must be an odd integer >= 1, got {pool}")
+  if block < 1:
+    raise ValueError(f"--score_block must be an integer >= 1, got {block}")
+  return Scoring(kind=kind, pool=pool, block=block)
 
 
 def interrupt_point(phase: str) -> None:

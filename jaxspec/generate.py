@@ -251,6 +251,11 @@ def tree_widths() -> tuple[int, ...] | None:
   return widths
 
 
+def scoring() -> policies.Scoring:
+  """--score, --score_pool and --score_block (`cli.scoring`)."""
+  return cli.scoring(_SCORE.value, _SCORE_POOL.value, _SCORE_BLOCK.value)
+
+
 def check_flags() -> SamplingParams:
   """Every check that needs no model, so that a bad flag fails before the model loads."""
   try:
@@ -266,14 +271,9 @@ def check_flags() -> SamplingParams:
     if _METHOD.value != "none" and _GAMMA.value is not None:
       requests.check_count("--gamma", _GAMMA.value)
     tree_widths()
-    if _SCORE_POOL.value < 1 or _SCORE_POOL.value % 2 == 0:
-      raise ValueError(f"--score_pool must be an odd integer >= 1, got {_SCORE_POOL.value}")
-    if _SCORE_BLOCK.value < 1:
-      raise ValueError(f"--score_block must be an integer >= 1, got {_SCORE_BLOCK.value}")
+    scoring()
     if _METHOD.value in policies.SELF_DRAFTING:
-      policies.validate(_METHOD.value, ratio=_SPARSITY.value, min_tokens=_MIN_TOKENS.value,
-                        score_kind=_SCORE.value, score_pool=_SCORE_POOL.value,
-                        score_block=_SCORE_BLOCK.value)
+      policies.validate(_METHOD.value, ratio=_SPARSITY.value, min_tokens=_MIN_TOKENS.value)
     if _METHOD.value in DRAFT_MODEL_METHODS and _DRAFT_MODEL.value is None:
       raise ValueError(f"--method={_METHOD.value} needs --draft_model")
     if (_METHOD.value not in (*DRAFT_MODEL_METHODS, "ssv") and _DRAFT_MODEL.value is not None
@@ -437,8 +437,7 @@ def main(argv):
   streamer = TextStreamer(tok, len(ids), set(stop_ids))
   try:
     runner = Runner(loaded.model, method=_METHOD.value, gamma=_GAMMA.value,
-                    sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, score_kind=_SCORE.value,
-                    score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
+                    sparsity=_SPARSITY.value, min_tokens=_MIN_TOKENS.value, scoring=scoring(),
                     draft_model=draft and draft.model, sampling=sampling, stop_ids=stop_ids,
                     cache_dtype=dtype, tree=tree_widths(), tree_order=_TREE_ORDER.value,
                     top_p_attn=_TOP_P_ATTN.value, layer_map=layer_map, attn_cap=_ATTN_CAP.value,

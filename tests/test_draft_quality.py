@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.draft_quality import (cache_capacity, expected_acceptance, expected_tokens,
                                       summary)
-from jaxspec.drafting.policies import make_policy, static_k_max
+from jaxspec.drafting.policies import Scoring, make_policy, static_k_max
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.model.fp8 import add_fp8_mlps
 from jaxspec.model.config import ModelConfig
@@ -31,8 +31,8 @@ def setup():
 def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score_pool=1, score_block=1):
   model, tokens = setup
   policy = make_policy(method, ratio=ratio, min_tokens=min_tokens,
-                       k_max=static_k_max(CAPACITY, ratio, min_tokens), score_pool=score_pool,
-                       score_block=score_block)
+                       k_max=static_k_max(CAPACITY, ratio, min_tokens),
+                       scoring=Scoring(pool=score_pool, block=score_block))
   return expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
                              rounds=ROUNDS, sampling=PAPER, backend=backend)
 

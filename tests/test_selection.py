@@ -58,8 +58,8 @@ def test_vegas_selects_the_top_k_of_the_reference_scores(policy_cls, rows, score
   cache, q = random_cache()
   ratio, min_tokens = 0.2, 3
   k_max = selection.static_k_max(S, ratio, min_tokens)
-  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_kind=score_kind,
-                      score_block=1)
+  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max,
+                      scoring=selection.Scoring(kind=score_kind, block=1))
   spec = policy.verify_scores
   assert (spec.kind, spec.rows) == (score_kind, rows)
   scores = jnp.stack([verify_attention_reference(jnp.asarray(q[l]), cache.k[l], cache.v[l],
@@ -103,13 +103,13 @@ def test_pooled_scores_are_each_windows_max_before_the_prefix(width):
 
 @pytest.mark.parametrize("policy_cls", [selection.Vegas, selection.VegasLast])
 def test_pooled_vegas_selects_the_top_k_of_the_pooled_scores(policy_cls):
-  """With score_pool the top-k ranks each position by its neighbourhood's best score, so a
+  """With a pooling width the top-k ranks each position by its neighbourhood's best score, so a
   high-scoring key brings its neighbours in."""
   rng = np.random.default_rng(4)
   ratio, min_tokens, width = 0.2, 3, 5
   k_max = selection.static_k_max(S, ratio, min_tokens)
-  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_pool=width,
-                      score_block=1)
+  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max,
+                      scoring=selection.Scoring(pool=width, block=1))
   cache, _ = random_cache()
   accepted = jnp.zeros((B,), jnp.int32)
   scores = rng.normal(size=(L, B, S)).astype(np.float32)
@@ -121,7 +121,8 @@ def test_pooled_vegas_selects_the_top_k_of_the_pooled_scores(policy_cls):
       k = int(np.clip(np.ceil(ratio * prefix[b]), min_tokens, prefix[b]))
       assert int(sel.counts[l, b]) == k
       assert_top_k(pooled[l, b], np.asarray(sel.indices[l, b])[:k], prefix[b], k)
-  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_block=1).select_kv(
+  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max,
+                     scoring=selection.Scoring(block=1)).select_kv(
       cache, jnp.asarray(scores), cache.lengths, accepted)
   assert not np.array_equal(np.asarray(plain.indices), np.asarray(sel.indices))
 
@@ -139,13 +140,13 @@ def block_reference(scores, prefix, block, k):
 @pytest.mark.parametrize("policy_cls, block", [(selection.Vegas, 8), (selection.Vegas, 5),
                                                (selection.VegasLast, 16)])
 def test_block_vegas_keeps_whole_blocks_at_the_token_budget(policy_cls, block, backend):
-  """With score_block the top-k ranks the prefix's whole aligned blocks by their best score and
-  keeps k // block of them whole; the partial last block is the dense tail's."""
+  """With a selection block the top-k ranks the prefix's whole aligned blocks by their best
+  score and keeps k // block of them whole; the partial last block is the dense tail's."""
   rng = np.random.default_rng(6)
   ratio, min_tokens = 0.2, 3
   k_max = selection.static_k_max(S, ratio, min_tokens)
-  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_block=block,
-                      backend=backend)
+  policy = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max,
+                      scoring=selection.Scoring(block=block), backend=backend)
   cache, _ = random_cache()
   accepted = jnp.zeros((B,), jnp.int32)
   scores = jnp.asarray(rng.normal(size=(L, B, S)), jnp.bfloat16)
@@ -160,8 +161,9 @@ def test_block_vegas_keeps_whole_blocks_at_the_token_budget(policy_cls, block, b
       assert c == k // block * block
       want = block_reference(np.asarray(scores[l, b], np.float32), prefix[b], block, k)
       np.testing.assert_array_equal(np.sort(np.asarray(sel.indices[l, b])[:c]), want)
-  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max, score_block=1,
-                     backend=backend).select_kv(cache, scores, cache.lengths, accepted)
+  plain = policy_cls(ratio=ratio, min_tokens=min_tokens, k_max=k_max,
+                     scoring=selection.Scoring(block=1), backend=backend).select_kv(
+      cache, scores, cache.lengths, accepted)
   assert visible_sets(plain, prefix, 1) != visible_sets(sel, prefix, 1)
 
 
@@ -182,7 +184,7 @@ def test_per_row_score_dump_matches_the_reference_row_by_row():
 def test_vegas_last_uses_each_sequences_last_accepted_row():
   cache, q = random_cache(2)
   policy = selection.VegasLast(ratio=0.1, min_tokens=2, k_max=selection.static_k_max(S, 0.1, 2),
-                               score_block=1)
+                               scoring=selection.Scoring(block=1))
   plan = Dense(scores=policy.verify_scores)
   dump = jnp.stack([attend(jnp.asarray(q[l]), None, None, cache.k[l], cache.v[l], cache.lengths,
                            plan, "reference")[1] for l in range(L)])       # [L, B, T, S]
@@ -320,18 +322,26 @@ def test_static_k_max_covers_every_budget():
     (dict(ratio=0.0), "sparsity ratio"),
     (dict(ratio=1.5), "sparsity ratio"),
     (dict(min_tokens=-1), "min_tokens"),
-    (dict(score_kind="softmax"), "score mode"),
-    (dict(score_pool=0), "score pool must be an odd positive integer"),
-    (dict(score_pool=4), "score pool must be an odd positive integer"),
-    (dict(score_pool=True), "score pool must be an odd positive integer"),
-    (dict(score_block=0), "score block must be a positive integer"),
-    (dict(score_block=2.0), "score block must be a positive integer"),
+    (dict(scoring="logits"), "scoring must be a jaxspec.drafting.policies.Scoring, got 'logits'"),
 ])
 def test_bad_settings_raise(kwargs, match):
-  args = dict(method="vegas", ratio=0.1, min_tokens=4, k_max=8, score_kind="logits")
+  args = dict(method="vegas", ratio=0.1, min_tokens=4, k_max=8)
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     selection.make_policy(args.pop("method"), **args)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kind="softmax"), "score mode"),
+    (dict(pool=0), "score pool must be an odd positive integer"),
+    (dict(pool=4), "score pool must be an odd positive integer"),
+    (dict(pool=True), "score pool must be an odd positive integer"),
+    (dict(block=0), "score block must be a positive integer"),
+    (dict(block=2.0), "score block must be a positive integer"),
+])
+def test_bad_scoring_raises(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    selection.Scoring(**kwargs)
 
 
 def test_per_layer_cuts_layer_arrays_and_leaves_other_plans_alone():

@@ -102,14 +102,14 @@ def test_greedy_equals_vanilla(model, prompts, vanilla, method, gamma, ratio):
 
 def test_pooled_scores_keep_greedy_equal_to_vanilla(model, prompts, vanilla):
   out, stats = spec(model, prompts, method="vegas", gamma=GAMMAS[0], sparsity=RATIOS[0],
-                    score_pool=5)
+                    scoring=selection.Scoring(pool=5))
   assert out == vanilla
   assert stats.extra["mean_accepted_tokens"] < GAMMAS[0] + 1   # some drafts were rejected
 
 
 def test_block_selection_keeps_greedy_equal_to_vanilla(model, prompts, vanilla):
   out, stats = spec(model, prompts, method="vegas", gamma=GAMMAS[0], sparsity=RATIOS[0],
-                    score_block=4)
+                    scoring=selection.Scoring(block=4))
   assert out == vanilla
   assert stats.extra["mean_accepted_tokens"] < GAMMAS[0] + 1   # some drafts were rejected
 
@@ -178,9 +178,7 @@ def test_profile_rounds_reports_phase_shares(model, prompts):
     (dict(sparsity=1.01), "sparsity"),
     (dict(min_tokens=-2), "min_tokens"),
     (dict(method="medusa"), "unknown method"),
-    (dict(score_kind="probs"), "score mode"),
-    (dict(score_pool=2), "score pool"),
-    (dict(score_block=0), "score block"),
+    (dict(scoring=dict(pool=9)), "scoring must be a jaxspec.drafting.policies.Scoring"),
 ])
 def test_bad_input_raises(model, kwargs, match):
   args = dict(method="vegas", gamma=3, sparsity=0.1)

@@ -17,14 +17,14 @@ query row the scores came from, so the keys every collected row saw are [0, firs
 
 Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `budget`):
   vegas       Collect-2-Query scores (first draft row + bonus row, mean over query heads) of the
-              last verification -> per-layer top-k over the keys both rows saw; `score_kind`
-              'logits' (the paper's choice) or 'weights'; `score_pool` > 1 first replaces each
-              position's score by the largest within score_pool // 2 positions of it
-              (`pool_scores`), so that the top-k keeps spans around the keys that scored
+              last verification -> per-layer top-k over the keys both rows saw, as its
+              `Scoring` says: `kind` 'logits' (the paper's choice) or 'weights'; `pool` > 1
+              first replaces each position's score by the largest within pool // 2 positions
+              of it (`pool_scores`), so that the top-k keeps spans around the keys that scored
               high rather than the keys alone (the paper takes the scores as they are: 1);
-              `score_block` ranks aligned blocks of that many positions by their best score
-              and keeps whole blocks (`per_layer_topk`): the same token budget in contiguous
-              spans, from a top-k over score_block times fewer candidates (the paper ranks
+              `block` ranks aligned blocks of that many positions by their best score and
+              keeps whole blocks (`per_layer_topk`): the same token budget in contiguous
+              spans, from a top-k over block times fewer candidates (the paper ranks
               positions: 1, the default). Model-dependent (benchmarks/RESULTS.md, fifty-seventh
               session): 8 decoded the 0.5B 5.9% faster on an H200, the 1.5B as fast, and cost
               SmolLM2-135M 9.5% of its tokens a round teacher-forced at 4K. Lossless at any setting.
@@ -82,7 +82,7 @@ SCORE_KINDS = ("logits", "weights")
 NUM_SINKS = 4   # StreamingLLM's attention sinks
 SCORE_POOL = 1  # the vegas family's default pooling width (`pool_scores`)
 SCORE_BLOCK = 1  # the vegas family's default selection block (`per_layer_topk`): positions
-POOLED = ("vegas", "vegas-all", "vegas-last")   # the policies `score_pool` and `score_block` shape
+POOLED = ("vegas", "vegas-all", "vegas-last")   # the policies a `Scoring` shapes
 
 
 def budget(lengths: jax.Array, ratio: float, min_tokens: int, k_max: int) -> jax.Array:
@@ -173,15 +173,48 @@ def _row_of_last_accepted(scores, accepted):
   return jnp.take_along_axis(scores, accepted[None, :, None, None], axis=2)[:, :, 0]
 
 
+def check_score_pool(width: int) -> None:
+  """Raise a one-line ValueError unless `width` is an odd positive integer (`pool_scores`)."""
+  if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width % 2 == 0:
+    raise ValueError(f"score pool must be an odd positive integer (1: the scores as they are), "
+                     f"got {width!r}")
+
+
+def check_score_block(block: int) -> None:
+  """Raise a one-line ValueError unless `block` is a positive integer (`per_layer_topk`)."""
+  if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+    raise ValueError(f"score block must be a positive integer (1: positions ranked one by one), "
+                     f"got {block!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+  """How the vegas family scores and ranks the keys it keeps, bound once (validated here).
+
+  kind: the Collect-2 score, 'logits' (the paper's) or 'weights'; pool: each position ranks by
+  the largest score within pool // 2 positions of it (odd; 1, the default: the scores as they
+  are; `pool_scores`); block: the top-k keeps aligned blocks of this many positions, ranked by
+  their best score (1, the default: position by position; `per_layer_topk`). Every setting is
+  lossless: it changes what the drafts see, not the output distribution.
+  """
+  kind: str = "logits"
+  pool: int = SCORE_POOL
+  block: int = SCORE_BLOCK
+
+  def __post_init__(self):
+    if self.kind not in SCORE_KINDS:
+      raise ValueError(f"score mode must be one of {', '.join(SCORE_KINDS)}, got {self.kind!r}")
+    check_score_pool(self.pool)
+    check_score_block(self.block)
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectionPolicy:
   """Base: token budget settings shared by every policy. Subclasses override the hooks."""
   ratio: float = 0.07
   min_tokens: int = 256
   k_max: int = 256
-  score_kind: str = "logits"
-  score_pool: int = SCORE_POOL
-  score_block: int = SCORE_BLOCK
+  scoring: Scoring = Scoring()
   backend: str = "reference"
   mesh: Mesh | None = None
   name: ClassVar[str] = ""
@@ -201,10 +234,10 @@ class SelectionPolicy:
 
   def _top(self, scores: jax.Array, prefix: jax.Array) -> Sparse:
     """The vegas family's plan: the top of `scores` [L, B, S] over the first `prefix` positions,
-    pooled (`score_pool`) and blocked (`score_block`) as the policy says."""
+    pooled and blocked as the policy's `scoring` says."""
     idx, cnt, tail_start = per_layer_topk(
-        pool_scores(scores, prefix, self.score_pool), prefix, ratio=self.ratio,
-        min_tokens=self.min_tokens, k_max=self.k_max, block=self.score_block,
+        pool_scores(scores, prefix, self.scoring.pool), prefix, ratio=self.ratio,
+        min_tokens=self.min_tokens, k_max=self.k_max, block=self.scoring.block,
         backend=self.backend, mesh=self.mesh)
     return Sparse(indices=idx, counts=cnt, tail_start=tail_start)
 
@@ -225,11 +258,11 @@ class Vegas(SelectionPolicy):
 
   @property
   def prefill_scores(self):
-    return ScoreSpec(self.score_kind)
+    return ScoreSpec(self.scoring.kind)
 
   @property
   def verify_scores(self):
-    return ScoreSpec(self.score_kind, rows=self.score_rows)
+    return ScoreSpec(self.scoring.kind, rows=self.score_rows)
 
   def select_kv(self, cache, scores, first_row, accepted):
     return self._top(scores, first_row + 1)
@@ -248,11 +281,11 @@ class VegasLast(SelectionPolicy):
 
   @property
   def prefill_scores(self):
-    return ScoreSpec(self.score_kind)
+    return ScoreSpec(self.scoring.kind)
 
   @property
   def verify_scores(self):
-    return ScoreSpec(self.score_kind, per_row=True)
+    return ScoreSpec(self.scoring.kind, per_row=True)
 
   def select_kv(self, cache, scores, first_row, accepted):
     # The keys that row saw: the whole accepted prefix.
@@ -324,9 +357,8 @@ POLICIES: dict[str, type[SelectionPolicy]] = {
     cls.name: cls for cls in (Dense, Vegas, VegasAll, VegasLast, SpecExtend, Streaming, Quest)}
 
 
-def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str,
-             score_pool: int = SCORE_POOL, score_block: int = SCORE_BLOCK) -> None:
-  """Raise a clear ValueError for settings no policy accepts."""
+def validate(method: str, *, ratio: float, min_tokens: int) -> None:
+  """Raise a clear ValueError for settings no policy accepts (a `Scoring` checks its own)."""
   if method not in POLICIES:
     raise ValueError(f"unknown method {method!r} for self-drafting; choose one of "
                      f"{', '.join(SELF_DRAFTING)}")
@@ -334,34 +366,20 @@ def validate(method: str, *, ratio: float, min_tokens: int, score_kind: str,
     raise ValueError(f"sparsity ratio must be in (0, 1], got {ratio!r}")
   if not isinstance(min_tokens, int) or min_tokens < 0:
     raise ValueError(f"min_tokens must be a non-negative integer, got {min_tokens!r}")
-  if score_kind not in SCORE_KINDS:
-    raise ValueError(f"score mode must be one of {', '.join(SCORE_KINDS)}, got {score_kind!r}")
-  check_score_pool(score_pool)
-  check_score_block(score_block)
-
-
-def check_score_pool(width: int) -> None:
-  """Raise a one-line ValueError unless `width` is an odd positive integer (`pool_scores`)."""
-  if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width % 2 == 0:
-    raise ValueError(f"score pool must be an odd positive integer (1: the scores as they are), "
-                     f"got {width!r}")
-
-
-def check_score_block(block: int) -> None:
-  """Raise a one-line ValueError unless `block` is a positive integer (`per_layer_topk`)."""
-  if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-    raise ValueError(f"score block must be a positive integer (1: positions ranked one by one), "
-                     f"got {block!r}")
 
 
 def make_policy(method: str, *, ratio: float, min_tokens: int, k_max: int,
-                score_kind: str = "logits", score_pool: int = SCORE_POOL,
-                score_block: int = SCORE_BLOCK, backend: str = "reference",
+                scoring: Scoring = Scoring(), backend: str = "reference",
                 mesh: Mesh | None = None) -> SelectionPolicy:
-  """The policy for a self-drafting method name (`score_pool` and `score_block` matter to the
-  vegas family only)."""
-  validate(method, ratio=ratio, min_tokens=min_tokens, score_kind=score_kind,
-           score_pool=score_pool, score_block=score_block)
+  """The policy for a self-drafting method name (`scoring` shapes the vegas family's only)."""
+  validate(method, ratio=ratio, min_tokens=min_tokens)
+  check_scoring(scoring)
   return POLICIES[method](ratio=float(ratio), min_tokens=min_tokens, k_max=k_max,
-                          score_kind=score_kind, score_pool=score_pool, score_block=score_block,
-                          backend=check_backend(backend), mesh=mesh)
+                          scoring=scoring, backend=check_backend(backend), mesh=mesh)
+
+
+def check_scoring(scoring: Scoring) -> Scoring:
+  """`scoring` itself, or a one-line ValueError if it is not a `Scoring`."""
+  if not isinstance(scoring, Scoring):
+    raise ValueError(f"scoring must be a jaxspec.drafting.policies.Scoring, got {scoring!r}")
+  return scoring

@@ -45,6 +45,8 @@ from typing import Any, Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.drafting.policies import Scoring
+
 PROFILE_VERSION = 1
 # Self-drafting methods whose drafter state is one `Sparse` plan of [L, B, k_max] token indices:
 # `switch_state` can carry it from one strategy to another.
@@ -151,8 +153,7 @@ class Strategy:
     tree = d.get("tree")
     return cls(**dict(d, tree=None if tree is None else tuple(tree)))
 
-  def run_config(self, base, *, min_tokens: int, score_kind: str, score_pool: int,
-                 score_block: int, mesh=None):
+  def run_config(self, base, *, min_tokens: int, scoring: Scoring, mesh=None):
     """`base` (a `RunConfig` for the cache's capacity, with the runner's sampling, stop ids,
     backend and dtype; for an SSV strategy, the runner's draft model and SSV settings) with this
     strategy's gamma, drafter and tree (and SSV class and group)."""
@@ -166,8 +167,7 @@ class Strategy:
     policy = policies.make_policy(
         self.method, ratio=self.sparsity, min_tokens=min_tokens,
         k_max=policies.static_k_max(base.capacity, self.sparsity, min_tokens),
-        score_kind=score_kind, score_pool=score_pool, score_block=score_block,
-        backend=base.backend, mesh=mesh)
+        scoring=scoring, backend=base.backend, mesh=mesh)
     return dataclasses.replace(base, gamma=self.gamma, drafter=SelfDrafter(policy), tree=tree)
 
 

@@ -212,11 +212,9 @@ class Runner:
   """Compiled decoding of one model with one method (see the module docstring).
 
   method: one of METHODS; gamma: drafts per round (static); sparsity: the fraction of the prefix
-  self-drafts attend to, in (0, 1]; min_tokens: the budget floor; score_kind: 'logits' | 'weights'
-  for the vegas family; score_pool: its scores' pooling width before the top-k (odd; 1: the
-  paper's rule, the scores as they are; `jaxspec.drafting.policies.pool_scores`); score_block:
-  the positions its top-k keeps together, ranked as one by their best score (1: position by
-  position, the paper's rule; `jaxspec.drafting.policies.per_layer_topk`); draft_model:
+  self-drafts attend to, in (0, 1]; min_tokens: the budget floor; scoring: how the vegas family
+  scores and ranks keys (`jaxspec.drafting.policies.Scoring`: the score kind, its pooling width
+  and selection block; the default is the paper's rule); draft_model:
   the drafter for methods 'draft', 'specattn' and 'sts' (same vocabulary as the target);
   top_p_attn, layer_map, attn_cap: method 'specattn''s kept attention mass in (0, 1], its map f
   (one draft layer per target layer, from `jaxspec.specattn_map`; None: the proportional map
@@ -253,8 +251,8 @@ class Runner:
   """
 
   def __init__(self, model: Transformer, *, method: str = "none", gamma: int | None = None,
-               sparsity: float = 0.07, min_tokens: int = 256, score_kind: str = "logits",
-               score_pool: int = policies.SCORE_POOL, score_block: int = policies.SCORE_BLOCK,
+               sparsity: float = 0.07, min_tokens: int = 256,
+               scoring: policies.Scoring = policies.Scoring(),
                draft_model: Transformer | None = None,
                sampling: SamplingParams = SamplingParams(),
                stop_ids: Sequence[int] | None = None, cache_dtype=jnp.bfloat16,
@@ -293,8 +291,8 @@ class Runner:
       raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size} tokens) is not "
                        f"the target's ({model.cfg.vocab_size}): they must share a tokenizer")
     if method in policies.SELF_DRAFTING:
-      policies.validate(method, ratio=sparsity, min_tokens=min_tokens, score_kind=score_kind,
-                        score_pool=score_pool, score_block=score_block)
+      policies.validate(method, ratio=sparsity, min_tokens=min_tokens)
+    self.scoring = policies.check_scoring(scoring)
     self.specattn = None
     if method == "specattn":
       from jaxspec.specattn_map import check_layers, proportional_map
@@ -336,8 +334,7 @@ class Runner:
     else:
       self.gamma = requests.check_count("gamma (draft tokens per round)",
                                         DEFAULT_GAMMA if gamma is None else gamma)
-    self.sparsity, self.min_tokens, self.score_kind = sparsity, min_tokens, score_kind
-    self.score_pool, self.score_block = score_pool, score_block
+    self.sparsity, self.min_tokens = sparsity, min_tokens
     self.sampling = sampling
     self.stop_ids = requests.check_stop_ids(stop_ids, model.cfg)
     self.cache_dtype = requests.check_dtype("cache_dtype", cache_dtype).name
@@ -389,16 +386,14 @@ class Runner:
       drafter = SelfDrafter(policies.make_policy(
           self.method, ratio=self.sparsity, min_tokens=self.min_tokens,
           k_max=policies.static_k_max(capacity, self.sparsity, self.min_tokens),
-          score_kind=self.score_kind, score_pool=self.score_pool, score_block=self.score_block,
-          backend=self.backend, mesh=self.mesh))
+          scoring=self.scoring, backend=self.backend, mesh=self.mesh))
     config = RunConfig(capacity=capacity, sampling=self.sampling, stop_ids=self.stop_ids,
                        backend=self.backend, cache_dtype=self.cache_dtype, gamma=self.gamma,
                        drafter=drafter, tree=self.tree, offload=self.offload, ssv=self.ssv,
                        fp8_drafts=self.fp8_drafts)
     if strategy is None:
       return config
-    return strategy.run_config(config, min_tokens=self.min_tokens, score_kind=self.score_kind,
-                               score_pool=self.score_pool, score_block=self.score_block,
+    return strategy.run_config(config, min_tokens=self.min_tokens, scoring=self.scoring,
                                mesh=self.mesh)
 
   def _check_context(self, max_len: int) -> None:
