@@ -115,7 +115,7 @@ case ${MODEL:-0.5b} in
         SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ;;
   *) echo "MODEL must be 0.5b or 1.5b"; exit 2 ;;
 esac
-TAG=${MODEL:+_$MODEL}
+TAG=_${MODEL:-0.5b}   # every long/short/cont JSON names its model, the default's too
 # ssv_calibrate's schedule (prep copies the recorded one): the reuse classes of ssv_e2e and
 # ssv_plan read it.
 SCHEDULE=; [ -f /tmp/ckpt/qwen2.5-coder-1.5b/ssv_schedule.json ] && SCHEDULE=/tmp/ckpt/qwen2.5-coder-1.5b/ssv_schedule.json
