@@ -6,6 +6,8 @@
 # fit one call's 64 MiB), append them to /tmp/shipped/all,
 # cut it at the 0.5B's 491,400,064 bytes (head -c / tail -c +491400065), check both sha256s;
 # the gguf package as a wheel in .whl/, the data files (../shared/data) in .data/.
+# Send the first part alone and the rest only once it has run: when the first call starts no
+# machine, the others reach a fresh one and their appends fail (the file is not there).
 # Usage: bash benchmarks/run_gpu.sh STEP...
 # JAXSPEC_COMMIT=<sha> names the commit in every JSON: the machine's copy of the tree may carry a
 # stale .git, and the JSONs would then name an older commit.
