@@ -1,7 +1,8 @@
 """Shared benchmark plumbing: model shapes for random-weight runs, copy bandwidth, JSON output, and
 what every real-weight run reports beside its speed: whether end-of-sequence tokens were honoured
 (`eos_settings`, `eos_label`) and how repetitive the generated text is (`distinct_ngram_share`,
-`repetition_summary`, `matched_repetition`), so that degenerate text shows next to acceptance."""
+`repetition_summary`, `matched_repetition`, `paired_repetition`, `paired_rows`), so that
+degenerate text shows next to acceptance."""
 from __future__ import annotations
 
 import collections
@@ -18,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import scipy.stats
 from jax.sharding import NamedSharding
 
 from jaxspec.model import nsa
@@ -402,3 +404,39 @@ def matched_repetition(rows: Sequence[dict], n: int = 4) -> int:
     row[f"distinct_{n}gram_share_matched"] = (
         sum(by_req[q] for q in common) / len(common) if common else None)
   return len(common)
+
+
+def paired_repetition(base: dict, row: dict) -> dict | None:
+  """`row`'s distinct-4-gram shares (its `per_request`, from `repetition_summary`) against
+  `base`'s (vanilla's), request by request, over the requests both finished (each pair shares its
+  prompt and token budget): `requests`, the mean difference row - base (`mean_diff`), its
+  standard error (`stderr`, None under two requests) and the two-sided Wilcoxon signed-rank p
+  (`wilcoxon_p`; 1.0 when every difference is zero). A lossless method's difference is zero
+  within noise. None when either row lacks `per_request` or they finished no request in common."""
+  if base.get("per_request") is None or row.get("per_request") is None:
+    return None
+  shares = [{req: share for req, _, share, _ in r["per_request"] if share is not None}
+            for r in (base, row)]
+  common = sorted(set(shares[0]) & set(shares[1]))
+  if not common:
+    return None
+  diffs = [shares[1][q] - shares[0][q] for q in common]
+  mean = sum(diffs) / len(diffs)
+  stderr = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+  p = (1.0 if all(d == 0 for d in diffs)
+       else float(scipy.stats.wilcoxon(diffs, alternative="two-sided").pvalue))
+  return {"requests": len(common), "mean_diff": mean, "stderr": stderr, "wilcoxon_p": p}
+
+
+def paired_rows(payload: dict, baseline: str = "none") -> list[dict]:
+  """One entry per row of `payload` (a throughput JSON) other than the baseline's: its label and
+  the `paired_repetition` fields against the baseline row (the label alone where either row lacks
+  per-request figures)."""
+  rows = payload.get("rows") if isinstance(payload, dict) else None
+  if not isinstance(rows, list):
+    raise ValueError("not a throughput JSON: it has no list of 'rows'")
+  base = next((r for r in rows if r.get("method") == baseline), None)
+  if base is None:
+    raise ValueError(f"no row of method {baseline!r} to pair against")
+  return [{"label": r.get("label", r.get("method")), **(paired_repetition(base, r) or {})}
+          for r in rows if r is not base]

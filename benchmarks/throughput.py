@@ -31,7 +31,10 @@ requests, and the share of requests that ended at EOS, so degenerate text (a loo
 well) shows. The share falls as an output grows, and a faster method finishes more and longer
 requests in the same window, so rows are compared on the requests every row finished
 (`distinct_4gram_share_matched`, the table's `matched4`; `repetition_matched_requests` says how
-many): a lossless method's matched share equals vanilla's within noise.
+many): a lossless method's matched share equals vanilla's within noise. Each method's row also
+pairs its shares with vanilla's request by request (`distinct_4gram_share_paired`: the mean
+difference, its standard error and the Wilcoxon signed-rank p; the table's `paired4` and `p`;
+`python -m benchmarks.repetition` computes it for JSONs on record).
 
 For each method, B slots decode the request stream; whenever a sequence finishes, at the next chunk
 boundary (every --chunk_rounds rounds; `none=32,default=8` gives vanilla calls of its own length)
@@ -86,7 +89,8 @@ from absl import app, flags
 from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, error_text,
                                filled_state, git_commit, kernel_families, kernel_table, load,
-                               matched_repetition, repetition_summary, time_fn, write_json)
+                               matched_repetition, paired_repetition, repetition_summary,
+                               time_fn, write_json)
 from jaxspec import cli, requests, ssv
 from jaxspec.drafting import policies
 from jaxspec.drafting.draft_model import DraftModelState
@@ -473,11 +477,13 @@ def plot(payload: dict, png_path: str) -> None:
 def summary_table(rows: list[dict], ignore_eos: bool) -> str:
   """The closing table: speed against method 'none', acceptance beside the repetition measures
   (mean distinct-4-gram share over each row's requests and over the requests all rows finished,
-  share of requests that ended at EOS), phase shares."""
+  the mean paired difference from vanilla's and its Wilcoxon p, share of requests that ended at
+  EOS), phase shares."""
   base = next((r for r in rows if r.get("method") == "none" and r.get("tokens_per_s")), None)
   width = max([12] + [len(row_label(r, ignore_eos)) for r in rows])
   lines = [f"{'method':<{width}} {'g':>2} {'tok/s':>8} {'x none':>6} {'decode tok/s':>12} "
-           f"{'x none':>6} {'acc/round':>9} {'distinct4':>9} {'matched4':>8} {'eos':>5} "
+           f"{'x none':>6} {'acc/round':>9} {'distinct4':>9} {'matched4':>8} {'paired4':>7} "
+           f"{'p':>4} {'eos':>5} "
            f"{'draft':>5} {'verify':>6} {'select':>6} {'ms/refill':>9}"]
   for r in rows:
     label = row_label(r, ignore_eos)
@@ -491,6 +497,9 @@ def summary_table(rows: list[dict], ignore_eos: bool) -> str:
           else float("nan"))
     share, stopped = r.get("distinct_4gram_share_mean"), r.get("stopped_share")
     matched, refill = r.get("distinct_4gram_share_matched"), r.get("ms_per_refill")
+    paired = r.get("distinct_4gram_share_paired")
+    diff, p = ((f"{paired['mean_diff']:+.3f}", f"{paired['wilcoxon_p']:.2f}") if paired
+               else ("-", "-"))
     g = "-" if r.get("gamma") is None or r["method"] == "none" else r["gamma"]   # plan: switches
     lines.append(
         f"{label:<{width}} {g:>2} "
@@ -498,6 +507,7 @@ def summary_table(rows: list[dict], ignore_eos: bool) -> str:
         f"{r.get('mean_accepted_tokens', 1.0):>9.2f} "
         f"{'-' if share is None else f'{share:.3f}':>9} "
         f"{'-' if matched is None else f'{matched:.3f}':>8} "
+        f"{diff:>7} {p:>4} "
         f"{'-' if stopped is None else f'{stopped:.2f}':>5} {ph.get('draft_share', 0):>5.2f} "
         f"{ph.get('verify_share', 0):>6.2f} {ph.get('select_share', 0):>6.2f} "
         f"{'-' if refill is None else f'{refill:.0f}':>9}")
@@ -629,6 +639,10 @@ def main(argv):
     rows.append(row)
     print({k: v for k, v in row.items() if k != "per_request"}, file=sys.stderr)
     matched = matched_repetition(rows)
+    vanilla = next((r for r in rows if r.get("method") == "none"), None)
+    for r in rows:
+      if vanilla is not None and r is not vanilla and "per_request" in r:
+        r["distinct_4gram_share_paired"] = paired_repetition(vanilla, r)
     # Rewritten after every method: keep what finished if a later method dies.
     write_json(out_path, dict(header, rows=rows, repetition_matched_requests=matched))
   plot(dict(header, rows=rows), out_path.removesuffix(".json") + ".png")

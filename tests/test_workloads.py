@@ -11,7 +11,8 @@ import pytest
 
 from benchmarks import workloads
 from benchmarks.common import (distinct_ngram_share, eos_label, eos_settings, error_text,
-                               matched_repetition, repetition_summary)
+                               matched_repetition, paired_repetition, paired_rows,
+                               repetition_summary)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 QWEN3_DIR = SHARED / "models" / "qwen3-0.6b-tokenizer"
@@ -84,6 +85,75 @@ def test_matched_repetition_compares_the_requests_every_row_finished():
   apart = [repetition_summary({0: list(range(5))}), repetition_summary({1: list(range(5))})]
   assert matched_repetition(apart) == 0
   assert apart[0]["distinct_4gram_share_matched"] is None
+
+
+def _row(method: str, shares: dict) -> dict:
+  return {"method": method, "label": method,
+          "per_request": [[q, 20, s, False] for q, s in sorted(shares.items())]}
+
+
+def test_paired_repetition_pairs_request_by_request():
+  """Differences over the requests both rows finished with a share; the standard error of their
+  mean; the exact two-sided Wilcoxon p (six differences of one sign and distinct sizes: 2 / 2**6);
+  identical rows give p 1; no overlap or no per-request figures give None."""
+  base = _row("none", {0: 0.90, 1: 0.80, 2: 0.70, 3: 0.60, 4: 0.50, 5: 0.40, 6: 0.95})
+  faster = _row("vegas:8", {0: 0.91, 1: 0.82, 2: 0.73, 3: 0.64, 4: 0.55, 5: 0.46, 7: 0.2})
+  faster["per_request"].append([8, 2, None, True])                 # too short for a 4-gram
+  got = paired_repetition(base, faster)
+  diffs = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06]
+  assert got["requests"] == 6
+  assert got["mean_diff"] == pytest.approx(0.035)
+  sd = (sum((d - 0.035) ** 2 for d in diffs) / 5) ** 0.5
+  assert got["stderr"] == pytest.approx(sd / 6 ** 0.5)
+  assert got["wilcoxon_p"] == pytest.approx(2 / 2 ** 6)
+  same = paired_repetition(base, _row("vegas:8", {0: 0.90, 1: 0.80}))
+  assert same == {"requests": 2, "mean_diff": 0.0, "stderr": 0.0, "wilcoxon_p": 1.0}
+  assert paired_repetition(base, _row("x", {9: 0.5})) is None
+  assert paired_repetition(base, {"method": "x", "error": "boom"}) is None
+
+
+def test_repetition_cli_pairs_the_rows_of_a_json(tmp_path):
+  """benchmarks.repetition: every row but vanilla's, paired with it; a row without per-request
+  figures says so; a file that is not a throughput JSON, or lacks the baseline, is a one-line
+  error."""
+  import subprocess
+  import sys
+  base = _row("none", {0: 0.9, 1: 0.8, 2: 0.7})
+  rows = [base, _row("vegas:8", {0: 0.8, 1: 0.9, 2: 0.75}), {"method": "quest", "error": "oom"}]
+  got = paired_rows({"rows": rows})
+  assert [e["label"] for e in got] == ["vegas:8", "quest"]
+  assert got[0]["requests"] == 3 and got[0]["mean_diff"] == pytest.approx(0.05 / 3)
+  assert "requests" not in got[1]
+  with pytest.raises(ValueError, match="no row of method 'none'"):
+    paired_rows({"rows": rows[1:]})
+  path = tmp_path / "run.json"
+  path.write_text(json.dumps({"rows": rows}))
+  out = tmp_path / "paired.json"
+  root = Path(__file__).resolve().parents[1]
+  res = subprocess.run([sys.executable, "-m", "benchmarks.repetition", str(path), f"--out={out}"],
+                       cwd=root, capture_output=True, text=True)
+  assert res.returncode == 0, res.stderr
+  assert "vegas:8" in res.stdout and "3 requests" in res.stdout and "Wilcoxon p" in res.stdout
+  assert "quest" in res.stdout and "no per-request figures" in res.stdout
+  assert json.loads(out.read_text())[str(path)][0]["requests"] == 3
+  bad = tmp_path / "bad.json"
+  bad.write_text(json.dumps({"device": "x"}))
+  res = subprocess.run([sys.executable, "-m", "benchmarks.repetition", str(bad)], cwd=root,
+                       capture_output=True, text=True)
+  assert res.returncode == 1
+  assert res.stderr.strip() == f"{bad}: not a throughput JSON: it has no list of 'rows'"
+
+
+def test_summary_table_shows_the_paired_test():
+  from benchmarks.throughput import summary_table
+  rows = [dict(method="none", label="none", tokens_per_s=100.0, decode_only_tokens_per_s=200.0),
+          dict(method="vegas:8", label="vegas:8", gamma=8, tokens_per_s=150.0,
+               decode_only_tokens_per_s=500.0, mean_accepted_tokens=6.4,
+               distinct_4gram_share_paired=dict(requests=40, mean_diff=0.021, stderr=0.02,
+                                                wilcoxon_p=0.5))]
+  header, vanilla, vegas = summary_table(rows, ignore_eos=False).splitlines()
+  assert header.split()[12:14] == ["paired4", "p"]   # "x none" and "decode tok/s" are two words
+  assert vegas.split()[9:11] == ["+0.021", "0.50"] and vanilla.split()[9:11] == ["-", "-"]
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -265,6 +335,7 @@ def test_throughput_honours_eos_by_default_and_reports_repetition(tmp_path, monk
   assert row["distinct_4gram_share_matched"] == pytest.approx(row["distinct_4gram_share_mean"])
   header = next(line for line in stdout.splitlines() if line.startswith("method"))
   assert "acc/round" in header and "distinct4" in header and "matched4" in header
+  assert "paired4" in header and "distinct_4gram_share_paired" not in row   # no vanilla to pair
   assert "eos" in header and "ms/refill" in header
   # Two slots, three requests: at most one refill in the window; the run's padding recorded.
   assert payload["prompt_buckets"] == 8 and row["refills"] <= 1
