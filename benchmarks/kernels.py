@@ -55,7 +55,8 @@ flags.DEFINE_float("batch_seconds", 0.05, "target wall time of one timed batch")
 flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke runs on the CPU)")
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
 flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "gamma", "topp",
-                                   "tree", "specattn", "sts", "sts_verify", "swiglu", "fold"],
+                                   "tree", "specattn", "sts", "sts_verify", "swiglu", "fold",
+                                   "layout"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "collect2: the verification kernel with and without Collect-2's scores, the "
@@ -79,7 +80,9 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "ga
                   "method); sts_verify: STS's sparse verification attention against the dense "
                   "verify kernel at the 1.5B's shapes, B 16-64, 32K, T = 5, 10% budget; "
                   "swiglu: the FP8 MLP's SwiGLU quantization against XLA's form, and the "
-                  "kernel's knobs, at a draft step's 128 rows (0.5B and 1.5B)")
+                  "kernel's knobs, at a draft step's 128 rows (0.5B and 1.5B); layout: a draft "
+                  "step's sparse attention over the same rows scattered, in aligned blocks of 8 "
+                  "and as StreamingLLM's sinks and dense tail (0.5B and 1.5B, 128 x 24576)")
 flags.DEFINE_string("sts_map", "benchmarks/results/maps/sts_map_k256.qwen2_5-coder-0_5b.json",
                     "the head map whose draft heads --plan=sts selects from")
 flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree", "rope", "swiglu"],
@@ -532,11 +535,20 @@ def dense_case(model, b, s, t, modes, with_ref=True, with_torch=True, variants=(
     record(name, "torch sdpa (B,H,S,D layout)", lambda: torch_sdpa(b, t, hq, hkv, d, s), base)
 
 
-def sparse_inputs(b, s, hkv, kk, tail, per_head, sort, seed=0):
+def sparse_inputs(b, s, hkv, kk, tail, per_head, sort, seed=0, block=1):
+  """Index lists of kk distinct positions below the dense tail: scattered one by one, or with
+  `block` > 1 as kk // block aligned blocks of `block` positions (what `--score_block` selects)."""
   rng = np.random.default_rng(seed)
   tail_start = s - 64 - tail    # leave room for T new rows inside the cache
   shape = (b, hkv) if per_head else (b,)
-  idx = np.stack([rng.choice(tail_start, kk, replace=False) for _ in range(math.prod(shape))])
+  if kk % block:
+    raise ValueError(f"{kk} indices do not split into blocks of {block}")
+
+  def one_list():
+    starts = rng.choice(tail_start // block, kk // block, replace=False) * block
+    return (starts[:, None] + np.arange(block)).reshape(-1)
+
+  idx = np.stack([one_list() for _ in range(math.prod(shape))])
   if sort:
     idx = np.sort(idx, axis=-1)
   idx = idx.reshape(*shape, kk).astype(np.int32)
@@ -546,22 +558,22 @@ def sparse_inputs(b, s, hkv, kk, tail, per_head, sort, seed=0):
 
 @guarded
 def sparse_case(model, b, s, kk, t, per_head=False, sort=True, with_ref=True, variants=(),
-                chain=False, tree=None):
-  """`tree`: widths per depth; the case then drafts that tree's T nodes under its mask."""
+                chain=False, tree=None, tail=64, block=1):
+  """`tree`: widths per depth; the case then drafts that tree's T nodes under its mask. `tail`:
+  the dense tail's length; `block`: the indices as aligned blocks of that many positions."""
   hq, hkv, d = MODELS[model]
   tree_kw = {}
   if tree is not None:
     shape = Tree.from_widths(tree)
     t = shape.size
     tree_kw = dict(tree_bits=jnp.asarray(shape.ancestor_bits))
-  tail = 64
   name = (f"sparse {model} B{b}xL{s} K{kk}+{tail} T{t}" + (" per-head" if per_head else "")
-          + ("" if sort else " unsorted")
+          + ("" if sort else " unsorted") + (f" blocks of {block}" if block > 1 else "")
           + (f" tree={'.'.join(map(str, tree))}" if tree is not None else ""))
   if not case_wanted(name):
     return
   k, v = cache(b, s, hkv, d)
-  idx, cnt, tail_start = sparse_inputs(b, s, hkv, kk, tail, per_head, sort)
+  idx, cnt, tail_start = sparse_inputs(b, s, hkv, kk, tail, per_head, sort, block=block)
   lengths = tail_start + tail
   qs = [(rand(20 + i, (b, t, hq, d)), k, v, idx, cnt, tail_start, lengths) for i in range(2)]
   nbytes = kv_bytes(b * (kk + tail + t), hkv, d) + idx.size * 4
@@ -807,6 +819,20 @@ def sts_verify_plan(sh):
                 chain=True)
 
 
+def layout_plan(sh):
+  """Where a draft step's sparse attention spends its time by the layout of what it reads: at a
+  draft step of the 0.5B and the 1.5B (B = 128 x 24576, T = 1, 7% of the cache plus the 64-token
+  tail, the vegas rows' budget), the same count of rows as scattered positions, as aligned
+  blocks of 8 (`--score_block=8`), and as StreamingLLM reads them: 4 sink indices and the rest
+  as one dense tail. Equal bytes in every case, 8 chained calls each."""
+  s = 24576 // sh
+  kk = 8 * math.ceil(0.07 * s / 8)
+  for model in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+    sparse_case(model, 128, s, kk, 1, with_ref=False, chain=True)
+    sparse_case(model, 128, s, kk, 1, with_ref=False, chain=True, block=8)
+    sparse_case(model, 128, s, 4, 1, with_ref=False, chain=True, tail=kk + 64 - 4)
+
+
 def summary():
   print("\n== summary (device %s, copy %.0f GB/s)" % (device_name(), COPY_BPS / 1e9))
   # The impl column is as wide as its longest label: variants differ only at the end of theirs.
@@ -862,6 +888,8 @@ def main(argv):
     sts_verify_plan(sh)
   elif FLAGS.plan == "swiglu":
     swiglu_plan(sh)
+  elif FLAGS.plan == "layout":
+    layout_plan(sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()

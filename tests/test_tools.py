@@ -14,7 +14,8 @@ from subproc import run_module
 
 BENCHMARKS = ["benchmarks.acceptance", "benchmarks.decode", "benchmarks.kernels",
               "benchmarks.plan_profile", "benchmarks.sweep", "benchmarks.throughput",
-              "benchmarks.ssv", "benchmarks.prefill", "benchmarks.draft_quality"]
+              "benchmarks.ssv", "benchmarks.prefill", "benchmarks.draft_quality",
+              "benchmarks.repetition"]
 INFO_LINE = re.compile(r"^I\d{4} ", re.M)   # absl's INFO prefix, e.g. 'I1123 14:02:11.5 ...'
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
