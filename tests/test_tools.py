@@ -101,3 +101,30 @@ def test_kernels_only_runs_the_cases_it_names(tmp_path):
   assert res.returncode == 0, res.stderr[-2000:]
   cases = {r["case"] for r in json.loads(out.read_text())["results"]}
   assert cases == {"copy 2 GiB (read+write)", "verify qwen2.5-0.5b B128xL512 T9"}, cases
+
+
+def test_kernels_layout_plan_reads_equal_rows_three_ways(tmp_path):
+  """--plan=layout: per model, the same rows scattered, as aligned blocks of 8 and as 4 indices
+  plus a dense tail (on a CPU each case records its error row under its name); the blocked index
+  lists are aligned runs of 8 distinct positions below the tail, and a count that does not split
+  into blocks is an error."""
+  out = tmp_path / "k.json"
+  res = run_module("benchmarks.kernels", "--plan=layout", "--shrink=48", "--nocheck",
+                   f"--out={out}")
+  assert res.returncode == 0, res.stderr[-2000:]
+  cases = {r["case"] for r in json.loads(out.read_text())["results"]} - {"copy 2 GiB (read+write)"}
+  assert cases == {f"sparse qwen2.5-{m} B128xL512 {rows} T1{tag}" for m in ("0.5b", "1.5b")
+                   for rows, tag in (("K40+64", ""), ("K40+64", " blocks of 8"), ("K4+100", ""))}
+  check = ("import numpy as np; from benchmarks.kernels import sparse_inputs\n"
+           "idx, cnt, start = sparse_inputs(3, 512, 2, 40, 64, False, True, block=8)\n"
+           "idx = np.asarray(idx); start = int(start[0])\n"
+           "assert idx.shape == (3, 40) and (np.asarray(cnt) == 40).all()\n"
+           "blocks = idx.reshape(3, 5, 8)\n"
+           "assert (blocks[..., 0] % 8 == 0).all() and (np.diff(blocks, axis=-1) == 1).all()\n"
+           "assert all(len(set(r)) == 40 for r in idx.tolist()) and idx.max() < start\n"
+           "try:\n  sparse_inputs(1, 512, 2, 42, 64, False, True, block=8)\n"
+           "except ValueError as e:\n  print(e)\n")
+  res = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+  assert res.returncode == 0, res.stderr[-2000:]
+  assert res.stdout.strip() == "42 indices do not split into blocks of 8"
