@@ -823,8 +823,8 @@ def layout_plan(sh):
   """Where a draft step's sparse attention spends its time by the layout of what it reads: at a
   draft step of the 0.5B and the 1.5B (B = 128 x 24576, T = 1, 7% of the cache plus the 64-token
   tail, the vegas rows' budget), the same count of rows as scattered positions, as aligned
-  blocks of 8 (`--score_block=8`), and as StreamingLLM reads them: 4 sink indices and the rest
-  as one dense tail. Equal bytes in every case, 8 chained calls each."""
+  blocks of 8 (`--score_block=8`), and as StreamingLLM reads them: 4 indices (its sinks) and the
+  rest as one dense tail. Equal bytes in every case, 8 chained calls each."""
   s = 24576 // sh
   kk = 8 * math.ceil(0.07 * s / 8)
   for model in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
