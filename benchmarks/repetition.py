@@ -11,7 +11,6 @@ the same figures in each row it writes (`distinct_4gram_share_paired`).
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags
 
@@ -33,7 +32,7 @@ def main(argv):
       with open(path) as f:
         results[path] = paired_rows(json.load(f), _BASELINE.value)
     except (OSError, ValueError) as e:   # json.JSONDecodeError is a ValueError
-      sys.exit(f"{path}: {e}")
+      cli.fail("benchmarks.repetition", f"{path}: {e}")
   for path, entries in results.items():
     print(path)
     for e in entries:

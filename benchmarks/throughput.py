@@ -440,8 +440,18 @@ def row_label(row: dict, ignore_eos: bool) -> str:
 
 
 def plot_title(payload: dict) -> str:
-  title = f"{payload['workload']}, B={payload['batch']}, {payload['device']}"
-  return (eos_label(title, ignored_eos(payload))
+  """Workload, batch, device and EOS; the model and the opt-in draft settings the run used (as
+  its JSON records them); what the bar labels are."""
+  title = eos_label(f"{payload['workload']}, B={payload['batch']}, {payload['device']}",
+                    ignored_eos(payload))
+  run = [os.path.basename(str(payload["model"]).rstrip("/"))] if payload.get("model") else []
+  if payload.get("fp8_drafts"):
+    run.append("FP8 drafts")
+  if payload.get("score_pool", 1) > 1:
+    run.append(f"scores pooled over {payload['score_pool']}")
+  if payload.get("score_block", 1) > 1:
+    run.append(f"score blocks of {payload['score_block']}")
+  return (title + ("\n" + ", ".join(run) if run else "")
           + "\nlabels: accepted / round; distinct 4-grams, common requests")
 
 
@@ -518,8 +528,13 @@ def main(argv):
   del argv
   cli.quiet_logging()
   if _PLOT_ONLY.value:
-    with open(_PLOT_ONLY.value) as f:
-      payload = json.load(f)
+    try:
+      with open(_PLOT_ONLY.value) as f:
+        payload = json.load(f)
+      if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list):
+        raise ValueError("not a throughput JSON: it has no list of 'rows'")
+    except (OSError, ValueError) as e:   # json.JSONDecodeError is a ValueError
+      cli.fail("benchmarks.throughput", f"--plot_only={_PLOT_ONLY.value}: {e}")
     matched_repetition(payload["rows"])   # JSONs older than the field
     plot(payload, _PLOT_ONLY.value.removesuffix(".json") + ".png")
     return

@@ -115,7 +115,7 @@ def test_paired_repetition_pairs_request_by_request():
 def test_repetition_cli_pairs_the_rows_of_a_json(tmp_path):
   """benchmarks.repetition: every row but vanilla's, paired with it; a row without per-request
   figures says so; a file that is not a throughput JSON, or lacks the baseline, is a one-line
-  error."""
+  error, as it is for benchmarks.throughput --plot_only (which then draws nothing)."""
   import subprocess
   import sys
   base = _row("none", {0: 0.9, 1: 0.8, 2: 0.7})
@@ -141,7 +141,14 @@ def test_repetition_cli_pairs_the_rows_of_a_json(tmp_path):
   res = subprocess.run([sys.executable, "-m", "benchmarks.repetition", str(bad)], cwd=root,
                        capture_output=True, text=True)
   assert res.returncode == 1
-  assert res.stderr.strip() == f"{bad}: not a throughput JSON: it has no list of 'rows'"
+  assert res.stderr.strip() == \
+      f"benchmarks.repetition: error: {bad}: not a throughput JSON: it has no list of 'rows'"
+  res = subprocess.run([sys.executable, "-m", "benchmarks.throughput", f"--plot_only={bad}"],
+                       cwd=root, capture_output=True, text=True)
+  assert res.returncode == 1 and res.stderr.strip() == (
+      f"benchmarks.throughput: error: --plot_only={bad}: not a throughput JSON: it has no list "
+      "of 'rows'")
+  assert not (tmp_path / "bad.png").exists()
 
 
 def test_summary_table_shows_the_paired_test():
@@ -254,6 +261,11 @@ def test_results_written_before_the_field_read_ignore_eos_from_argv():
   assert not throughput.ignored_eos(dict(old, argv="throughput.py --workload=long"))
   assert not throughput.ignored_eos(dict(old, ignore_eos=False))
   assert "(ignore_eos)" not in throughput.plot_title(dict(old, ignore_eos=False))
+  assert throughput.plot_title(old).count("\n") == 1          # no model or draft settings recorded
+  new = dict(old, ignore_eos=False, model="/tmp/ckpt/qwen2.5-coder-1.5b/", fp8_drafts=True,
+             score_pool=1, score_block=8)
+  assert throughput.plot_title(new).split("\n")[1] == \
+      "qwen2.5-coder-1.5b, FP8 drafts, score blocks of 8"
 
 
 @pytest.fixture(scope="module")
