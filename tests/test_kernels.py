@@ -670,16 +670,25 @@ def test_rope_write_bad_shapes():
 @pytest.mark.parametrize("m,f,block", [(3, 64, 64), (5, 96, 64), (2, 200, 128), (4, 4864, 1024)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_swiglu_quantize(m, f, block, dtype):
-  """The kernel's e4m3 values and row scales equal the reference's; dequantized they are SwiGLU
-  within e4m3's rounding (half a step: 2^-4 of a value); no row clips, whatever its range."""
+  """The kernel's e4m3 values and row scales equal the reference's, but for the odd value on a
+  rounding boundary, where the two programs' float32 exp and division may round apart (the
+  module's contract): that value is one e4m3 step away, and such values are rare; dequantized
+  the kernel's values are SwiGLU within e4m3's rounding (half a step: 2^-4 of a value); no row
+  clips, whatever its range."""
   gate_up = _normal((m, 2 * f), jnp.float32) * jnp.exp(jnp.linspace(-8.0, 8.0, m))[:, None]
   gate_up = gate_up.astype(dtype)
   in_scale, w_scale = jnp.float32(0.37), jnp.float32(0.05)
   q, row_scale = sq.swiglu_quantize(gate_up, in_scale, w_scale, block=block, interpret=True)
   want_q, want_scale = sq.swiglu_quantize_reference(gate_up, in_scale, w_scale)
   assert q.shape == (m, f) and q.dtype == sq.FP8 and row_scale.shape == (m,)
-  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
-  np.testing.assert_array_equal(row_scale, want_scale)
+  bits = [np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8)).astype(np.int32)
+          for v in (q, want_q)]
+  sign, mag = [b >> 7 for b in bits], [b & 0x7F for b in bits]   # e4m3: sign, then magnitude
+  apart = bits[0] != bits[1]
+  assert np.all(~apart | ((sign[0] == sign[1]) & (np.abs(mag[0] - mag[1]) == 1))), \
+      "kernel and reference more than one e4m3 step apart"
+  assert apart.sum() <= max(1, apart.size // 100), f"{apart.sum()} of {apart.size} values apart"
+  np.testing.assert_allclose(row_scale, want_scale, rtol=1e-6)
   x = gate_up.astype(jnp.float32) * (in_scale * w_scale)
   a = jax.nn.silu(x[:, :f]) * x[:, f:]
   rs = np.asarray(row_scale)[:, None]
