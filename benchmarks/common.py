@@ -390,6 +390,12 @@ def repetition_summary(outputs: Mapping[int, Sequence[int]], stop_ids: Sequence[
           "per_request": per_request}
 
 
+def _shares_by_request(row: dict) -> dict[int, float]:
+  """request -> its distinct-4-gram share, from a row's `per_request` (outputs too short for a
+  4-gram left out)."""
+  return {req: share for req, _, share, _ in row["per_request"] if share is not None}
+
+
 def matched_repetition(rows: Sequence[dict], n: int = 4) -> int:
   """Adds `distinct_{n}gram_share_matched` to every row that has `per_request`: its mean share
   over the requests that all those rows finished (the same prompt and token budget in each), so
@@ -397,8 +403,7 @@ def matched_repetition(rows: Sequence[dict], n: int = 4) -> int:
   for like (the share falls as an output grows). Returns how many requests that is; with none in
   common the field is None."""
   rows = [r for r in rows if r.get("per_request") is not None]
-  shares = [{req: share for req, _, share, _ in r["per_request"] if share is not None}
-            for r in rows]
+  shares = [_shares_by_request(r) for r in rows]
   common = set.intersection(*map(set, shares)) if shares else set()
   for row, by_req in zip(rows, shares):
     row[f"distinct_{n}gram_share_matched"] = (
@@ -415,8 +420,7 @@ def paired_repetition(base: dict, row: dict) -> dict | None:
   within noise. None when either row lacks `per_request` or they finished no request in common."""
   if base.get("per_request") is None or row.get("per_request") is None:
     return None
-  shares = [{req: share for req, _, share, _ in r["per_request"] if share is not None}
-            for r in (base, row)]
+  shares = [_shares_by_request(r) for r in (base, row)]
   common = sorted(set(shares[0]) & set(shares[1]))
   if not common:
     return None
@@ -428,13 +432,20 @@ def paired_repetition(base: dict, row: dict) -> dict | None:
   return {"requests": len(common), "mean_diff": mean, "stderr": stderr, "wilcoxon_p": p}
 
 
+def read_throughput_json(path: str) -> dict:
+  """A `benchmarks.throughput` JSON; OSError or a one-line ValueError when `path` is not one."""
+  with open(path) as f:
+    payload = json.load(f)   # json.JSONDecodeError is a ValueError
+  if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list):
+    raise ValueError("not a throughput JSON: it has no list of 'rows'")
+  return payload
+
+
 def paired_rows(payload: dict, baseline: str = "none") -> list[dict]:
   """One entry per row of `payload` (a throughput JSON) other than the baseline's: its label and
   the `paired_repetition` fields against the baseline row (the label alone where either row lacks
   per-request figures)."""
-  rows = payload.get("rows") if isinstance(payload, dict) else None
-  if not isinstance(rows, list):
-    raise ValueError("not a throughput JSON: it has no list of 'rows'")
+  rows = payload["rows"]
   base = next((r for r in rows if r.get("method") == baseline), None)
   if base is None:
     raise ValueError(f"no row of method {baseline!r} to pair against")

@@ -10,11 +10,9 @@ the same figures in each row it writes (`distinct_4gram_share_paired`).
 """
 from __future__ import annotations
 
-import json
-
 from absl import app, flags
 
-from benchmarks.common import paired_rows, write_json
+from benchmarks.common import paired_rows, read_throughput_json, write_json
 from jaxspec import cli
 
 _BASELINE = flags.DEFINE_string("baseline", "none", "the method the others are paired against")
@@ -29,9 +27,8 @@ def main(argv):
   results = {}
   for path in paths:
     try:
-      with open(path) as f:
-        results[path] = paired_rows(json.load(f), _BASELINE.value)
-    except (OSError, ValueError) as e:   # json.JSONDecodeError is a ValueError
+      results[path] = paired_rows(read_throughput_json(path), _BASELINE.value)
+    except (OSError, ValueError) as e:
       cli.fail("benchmarks.repetition", f"{path}: {e}")
   for path, entries in results.items():
     print(path)

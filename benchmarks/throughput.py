@@ -78,7 +78,6 @@ records both.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -89,8 +88,8 @@ from absl import app, flags
 from benchmarks import workloads
 from benchmarks.common import (copy_ceiling, device_name, eos_label, eos_settings, error_text,
                                filled_state, git_commit, kernel_families, kernel_table, load,
-                               matched_repetition, paired_repetition, repetition_summary,
-                               time_fn, write_json)
+                               matched_repetition, paired_repetition, read_throughput_json,
+                               repetition_summary, time_fn, write_json)
 from jaxspec import cli, requests, ssv
 from jaxspec.drafting import policies
 from jaxspec.drafting.draft_model import DraftModelState
@@ -529,11 +528,8 @@ def main(argv):
   cli.quiet_logging()
   if _PLOT_ONLY.value:
     try:
-      with open(_PLOT_ONLY.value) as f:
-        payload = json.load(f)
-      if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list):
-        raise ValueError("not a throughput JSON: it has no list of 'rows'")
-    except (OSError, ValueError) as e:   # json.JSONDecodeError is a ValueError
+      payload = read_throughput_json(_PLOT_ONLY.value)
+    except (OSError, ValueError) as e:
       cli.fail("benchmarks.throughput", f"--plot_only={_PLOT_ONLY.value}: {e}")
     matched_repetition(payload["rows"])   # JSONs older than the field
     plot(payload, _PLOT_ONLY.value.removesuffix(".json") + ".png")
