@@ -835,16 +835,17 @@ def layout_plan(sh):
 
 def summary():
   print("\n== summary (device %s, copy %.0f GB/s)" % (device_name(), COPY_BPS / 1e9))
-  # The impl column is as wide as its longest label: variants differ only at the end of theirs.
+  # Each column is as wide as its longest label: variants differ only at the end of theirs.
+  c = max([44] + [len(r.get("case", "")) for r in RESULTS])
   w = max([30] + [len(r.get("impl", "")) for r in RESULTS])
-  print(f"{'case':44s} {'impl':{w}s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s}")
+  print(f"{'case':{c}s} {'impl':{w}s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s}")
   for r in RESULTS:
     if r.get("impl") == "error":
-      print(f"{r['case'][:44]:44s} ERROR {r['error'][:80]}")
+      print(f"{r['case']:{c}s} ERROR {r['error'][:80]}")
     elif "error" in r:
-      print(f"{r['case'][:44]:44s} {r['impl']:{w}s} ERROR {r['error'][:60]}")
+      print(f"{r['case']:{c}s} {r['impl']:{w}s} ERROR {r['error'][:60]}")
     else:
-      print(f"{r['case'][:44]:44s} {r['impl']:{w}s} {r['us']:9.1f} {r['gb_s']:7.0f} "
+      print(f"{r['case']:{c}s} {r['impl']:{w}s} {r['us']:9.1f} {r['gb_s']:7.0f} "
             f"{r['pct_copy']:6.1f}")
 
 

@@ -105,7 +105,8 @@ def test_kernels_only_runs_the_cases_it_names(tmp_path):
 
 def test_kernels_layout_plan_reads_equal_rows_three_ways(tmp_path):
   """--plan=layout: per model, the same rows scattered, as aligned blocks of 8 and as 4 indices
-  plus a dense tail (on a CPU each case records its error row under its name); the blocked index
+  plus a dense tail (on a CPU each case records its error row under its name, and the summary
+  names each in full); the blocked index
   lists are aligned runs of 8 distinct positions below the tail, and a count that does not split
   into blocks is an error."""
   out = tmp_path / "k.json"
@@ -115,6 +116,8 @@ def test_kernels_layout_plan_reads_equal_rows_three_ways(tmp_path):
   cases = {r["case"] for r in json.loads(out.read_text())["results"]} - {"copy 2 GiB (read+write)"}
   assert cases == {f"sparse qwen2.5-{m} B128xL512 {rows} T1{tag}" for m in ("0.5b", "1.5b")
                    for rows, tag in (("K40+64", ""), ("K40+64", " blocks of 8"), ("K4+100", ""))}
+  table = res.stdout[res.stdout.index("== summary"):]
+  assert all(case in table for case in cases), table  # the summary names each case in full
   check = ("import numpy as np; from benchmarks.kernels import sparse_inputs\n"
            "idx, cnt, start = sparse_inputs(3, 512, 2, 40, 64, False, True, block=8)\n"
            "idx = np.asarray(idx); start = int(start[0])\n"
