@@ -106,9 +106,8 @@ def test_kernels_only_runs_the_cases_it_names(tmp_path):
 def test_kernels_layout_plan_reads_equal_rows_three_ways(tmp_path):
   """--plan=layout: per model, the same rows scattered, as aligned blocks of 8 and as 4 indices
   plus a dense tail (on a CPU each case records its error row under its name, and the summary
-  names each in full); the blocked index
-  lists are aligned runs of 8 distinct positions below the tail, and a count that does not split
-  into blocks is an error."""
+  names each in full); the blocked index lists are aligned runs of 8 distinct positions below
+  the tail, and a count that does not split into blocks is an error."""
   out = tmp_path / "k.json"
   res = run_module("benchmarks.kernels", "--plan=layout", "--shrink=48", "--nocheck",
                    f"--out={out}")
