@@ -25,10 +25,11 @@ rounds' attention is the pure-JAX reference's by default, which runs on any devi
 Collect-2 scores are computed and rounded as the engine's are, so two trees' kernels can be
 compared on the same rounds. The passages' prefill stays on the reference. `--score_pool=1,9` runs
 the vegas family once per pooling width of its scores (`policies.pool_scores`), `--score_block=1,8`
-once per selection block (`policies.per_layer_topk`: whole aligned blocks at the same budget), and
-`--draft_mlp=model,fp8` each method's draft passes with the model's MLP weights and with FP8
-copies of them (`jaxspec.model.fp8`, what `RunConfig.fp8_drafts` drafts with), on the same
-rounds.
+once per selection block (`policies.per_layer_topk`: whole aligned blocks at the same budget),
+`--score_window=0,256` once per recent window (the newest positions kept whole, the rest of the
+same budget ranked), and `--draft_mlp=model,fp8` each method's draft passes with the model's MLP
+weights and with FP8 copies of them (`jaxspec.model.fp8`, what `RunConfig.fp8_drafts` drafts
+with), on the same rounds.
 
 Output: a markdown table on stdout (alpha by position, expected tokens a round with its standard
 error, and the paired difference from the first method), the settings and per-round alphas as
@@ -52,8 +53,9 @@ from tqdm import tqdm
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
 from jaxspec import cli
-from jaxspec.drafting.policies import (POOLED, SCORE_BLOCK, SCORE_POOL, SELF_DRAFTING, Scoring,
-                                       SelectionPolicy, check_score_block, check_score_pool,
+from jaxspec.drafting.policies import (POOLED, SCORE_BLOCK, SCORE_POOL, SCORE_WINDOW,
+                                       SELF_DRAFTING, Scoring, SelectionPolicy,
+                                       check_score_block, check_score_pool, check_score_window,
                                        make_policy, static_k_max)
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams, probabilities
@@ -87,6 +89,9 @@ def define_flags() -> None:
   flags.DEFINE_list("score_block", [str(SCORE_BLOCK)], "the vegas family's selection blocks "
                     "(`policies.per_layer_topk`; 1: position by position), each method run once "
                     "per block on the same rounds")
+  flags.DEFINE_list("score_window", [str(SCORE_WINDOW)], "the vegas family's recent windows "
+                    "(`policies.per_layer_topk`: the newest positions kept whole, the rest of the "
+                    "budget ranked; 0: none), each method run once per window on the same rounds")
   flags.DEFINE_list("draft_mlp", ["model"], "the draft passes' MLP weights, each method run once "
                     "per entry: 'model' (the model's own) and 'fp8' (FP8 copies, "
                     "jaxspec.model.fp8; rows 'METHOD fp8')")
@@ -232,6 +237,8 @@ def main(argv):
     cli.fail(prog, f"stride must be in 1..gamma + 1 = {fv.gamma + 1}, got {fv.stride}")
   pools = _checked_ints(prog, "score_pool", fv.score_pool, "odd positive", check_score_pool)
   blocks = _checked_ints(prog, "score_block", fv.score_block, "positive", check_score_block)
+  windows = _checked_ints(prog, "score_window", fv.score_window, "non-negative",
+                          check_score_window)
   if not fv.draft_mlp or set(fv.draft_mlp) - set(DRAFT_MLP):
     cli.fail(prog, f"--draft_mlp takes {' and '.join(DRAFT_MLP)}, got {fv.draft_mlp}")
   if fv.temperature <= 0:
@@ -260,27 +267,30 @@ def main(argv):
   settings = dict(model=fv.model, dtype=fv.dtype, context=context,
                   passages=fv.passages, rounds=rounds, gamma=gamma, stride=stride,
                   sparsity=fv.sparsity, min_tokens=fv.min_tokens, score_pools=pools,
-                  score_blocks=blocks,
+                  score_blocks=blocks, score_windows=windows,
                   backend=fv.backend,
                   sampling=dataclasses.asdict(sampling), seed=fv.seed, device=device_name(),
                   commit=git_commit(), date=datetime.date.today().isoformat(), argv=sys.argv)
   if "fp8" in fv.draft_mlp:
     add_fp8_mlps(loaded.model)
   rows, first = [], None
-  for method, pool, block, mlp in itertools.product(fv.methods, pools, blocks, fv.draft_mlp):
-    if (pool, block) != (pools[0], blocks[0]) and method not in POOLED:
+  for method, pool, block, window, mlp in itertools.product(fv.methods, pools, blocks, windows,
+                                                           fv.draft_mlp):
+    if (pool, block, window) != (pools[0], blocks[0], windows[0]) and method not in POOLED:
       continue   # the other policies take no scores to pool or block: the same rows again
     policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
                          k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens),
-                         scoring=Scoring(pool=pool, block=block))
+                         scoring=Scoring(pool=pool, block=block, window=window))
     alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
                                 rounds=rounds, sampling=sampling, cache_dtype=dtype,
                                 backend=fv.backend, fp8_mlp=mlp == "fp8", progress=True)
     label = method + (f" pool {pool}" if len(pools) > 1 and method in POOLED else "")
     label += f" block {block}" if len(blocks) > 1 and method in POOLED else ""
+    label += f" window {window}" if len(windows) > 1 and method in POOLED else ""
     rows.append(dict(method=label if mlp == "model" else f"{label} fp8", draft_mlp=mlp,
                      score_pool=pool if method in POOLED else None,
                      score_block=block if method in POOLED else None,
+                     score_window=window if method in POOLED else None,
                      **summary(alpha, first), alpha=alpha.round(5).tolist()))
     first = alpha if first is None else first
     write_json(fv.out, dict(settings, rows=rows))

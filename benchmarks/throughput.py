@@ -72,8 +72,9 @@ the refills on a second device while the first one decodes (`Runner.serve`). --f
 the speculative methods' draft steps on FP8 copies of the MLP weights (`jaxspec.model.fp8`, one
 device); the JSON's header says so. --score_pool=W pools the vegas family's scores over W
 positions before its top-k (`jaxspec.drafting.policies.pool_scores`), --score_block=N has its
-top-k keep aligned blocks of N positions (`jaxspec.drafting.policies.per_layer_topk`); the header
-records both.
+top-k keep aligned blocks of N positions and --score_window=W keep the prefix's newest W positions
+whole, ranking the rest of the budget (`jaxspec.drafting.policies.per_layer_topk`); the header
+records all three.
 """
 from __future__ import annotations
 
@@ -147,6 +148,9 @@ _SCORE_POOL = flags.DEFINE_integer("score_pool", policies.SCORE_POOL, "vegas fam
 _SCORE_BLOCK = flags.DEFINE_integer("score_block", policies.SCORE_BLOCK, "vegas family: the "
                                     "top-k keeps aligned blocks of this many positions (1: "
                                     "position by position)")
+_SCORE_WINDOW = flags.DEFINE_integer("score_window", policies.SCORE_WINDOW, "vegas family: the "
+                                     "prefix's newest positions kept whole, the rest of the "
+                                     "budget ranked (0: none)")
 _BATCH = flags.DEFINE_integer("batch", 64, "decode slots")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "per request (default 4096 short, 1024 "
                                 "long and continuation)")
@@ -197,8 +201,8 @@ _DISAGGREGATE = flags.DEFINE_bool("disaggregate", False, "prefill refills on a s
 
 
 def _scoring() -> policies.Scoring:
-  """--score, --score_pool and --score_block (`cli.scoring`)."""
-  return cli.scoring(_SCORE.value, _SCORE_POOL.value, _SCORE_BLOCK.value)
+  """--score, --score_pool, --score_block and --score_window (`cli.scoring`)."""
+  return cli.scoring(_SCORE.value, _SCORE_POOL.value, _SCORE_BLOCK.value, _SCORE_WINDOW.value)
 
 
 def _fusing() -> bool:
@@ -450,6 +454,8 @@ def plot_title(payload: dict) -> str:
     run.append(f"scores pooled over {payload['score_pool']}")
   if payload.get("score_block", 1) > 1:
     run.append(f"score blocks of {payload['score_block']}")
+  if payload.get("score_window", 0) > 0:
+    run.append(f"newest {payload['score_window']} kept")
   return (title + ("\n" + ", ".join(run) if run else "")
           + "\nlabels: accepted / round; distinct 4-grams, common requests")
 
@@ -571,6 +577,7 @@ def main(argv):
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
                 fuse_projections=_fusing(), fp8_drafts=_FP8_DRAFTS.value,
                 score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
+                score_window=_SCORE_WINDOW.value,
                 prompt_buckets=_PROMPT_BUCKETS.value,
                 argv=" ".join(sys.argv),
                 xla_flags=os.environ.get("XLA_FLAGS", ""))

@@ -10,7 +10,8 @@
   threaded checkpoint write) and delivers the signal when the block ends.
 - `quiet_logging()`: library logging stays quiet unless `--verbosity` is given (orbax logs every
   array it reads or writes).
-- `scoring(kind, pool, block)`: the vegas family's --score, --score_pool and --score_block flags
+- `scoring(kind, pool, block, window)`: the vegas family's --score, --score_pool, --score_block
+  and --score_window flags
   as one `jaxspec.drafting.policies.Scoring`, a bad value a one-line ValueError naming its flag.
 - `interrupt_point(phase)`: a test hook; see its docstring.
 """
@@ -110,14 +111,17 @@ def quiet_logging() -> None:
     std_logging.getLogger("absl").setLevel(std_logging.ERROR)
 
 
-def scoring(kind: str, pool: int, block: int) -> Scoring:
-  """--score, --score_pool and --score_block as one setting (a one-line ValueError)."""
+def scoring(kind: str, pool: int, block: int, window: int = 0) -> Scoring:
+  """--score, --score_pool, --score_block and --score_window as one setting (a one-line
+  ValueError)."""
   from jaxspec.drafting.policies import Scoring   # jax loads here, not for every CLI
   if pool < 1 or pool % 2 == 0:
     raise ValueError(f"--score_pool must be an odd integer >= 1, got {pool}")
   if block < 1:
     raise ValueError(f"--score_block must be an integer >= 1, got {block}")
-  return Scoring(kind=kind, pool=pool, block=block)
+  if window < 0:
+    raise ValueError(f"--score_window must be an integer >= 0, got {window}")
+  return Scoring(kind=kind, pool=pool, block=block, window=window)
 
 
 def interrupt_point(phase: str) -> None:

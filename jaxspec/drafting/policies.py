@@ -27,7 +27,9 @@ Policies (token budget k = clamp(ceil(ratio * prefix), min_tokens, prefix), `bud
               spans, from a top-k over block times fewer candidates (the paper ranks
               positions: 1, the default). Model-dependent (benchmarks/RESULTS.md, fifty-seventh
               session): 8 decoded the 0.5B 5.9% faster on an H200, the 1.5B as fast, and cost
-              SmolLM2-135M 9.5% of its tokens a round teacher-forced at 4K. Lossless at any setting.
+              SmolLM2-135M 9.5% of its tokens a round teacher-forced at 4K. `window` > 0 keeps
+              the prefix's newest `window` positions by position and ranks the rest of the
+              budget (the paper ranks them all: 0). Lossless at any setting.
   vegas-all   the same over all gamma + 1 rows (SparseSpec-style ablation); vegas-last pools and
               blocks too.
   vegas-last  only the last accepted token's row. The corrected/bonus token itself (the paper's
@@ -82,6 +84,7 @@ SCORE_KINDS = ("logits", "weights")
 NUM_SINKS = 4   # StreamingLLM's attention sinks
 SCORE_POOL = 1  # the vegas family's default pooling width (`pool_scores`)
 SCORE_BLOCK = 1  # the vegas family's default selection block (`per_layer_topk`): positions
+SCORE_WINDOW = 0  # the vegas family's default recent window (`per_layer_topk`): none
 POOLED = ("vegas", "vegas-all", "vegas-last")   # the policies a `Scoring` shapes
 
 
@@ -102,8 +105,9 @@ _TOPK_KERNEL_MIN_ROWS = 256
 
 
 def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_tokens: int,
-                   k_max: int, block: int = SCORE_BLOCK, backend: str = "reference",
-                   mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   k_max: int, block: int = SCORE_BLOCK, window: int = SCORE_WINDOW,
+                   backend: str = "reference", mesh: Mesh | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """scores [L, B, S], prefix [B] -> per-layer top-k (indices [L, B, K], counts [L, B],
   tail_start [B]) with k = `budget(prefix, ratio, min_tokens, k_max)` tokens per sequence in every
   layer.
@@ -113,7 +117,10 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
   score and keeps the best k // block of them, every position of each (K = (k_max // block) *
   block, counts a multiple of block); the partial last block joins the dense tail (tail_start =
   the prefix rounded down to a block), so a draft sees at most block - 1 more positions than at
-  block 1.
+  block 1. window > 0 keeps the prefix's newest w = min(window, k) positions whole, in the dense
+  tail, and ranks only the positions before them for the other k - w (counts k - w; blocks as
+  above, over the ranked positions): the same budget, its newest w tokens kept by position
+  rather than by score, as H2O keeps a recent window beside its heavy hitters.
 
   On the 'pallas' and 'interpret' backends, the sorting-free threshold select of
   `pallas_kernels.topk_select` (exact, ties to the lower position, positions ascending; at 24
@@ -136,7 +143,9 @@ def per_layer_topk(scores: jax.Array, prefix: jax.Array, *, ratio: float, min_to
   else:
     method, interpret = "threshold", False
   k = budget(prefix, ratio, min_tokens, k_max)
-  n_full = prefix // block                               # whole blocks before the prefix end
+  recent = jnp.minimum(window, k)                        # kept by position, not ranked
+  k, ranked = k - recent, prefix - recent
+  n_full = ranked // block                               # whole blocks before the window
   if block > 1:
     n_blocks = s // block
     scores = scores[..., :n_blocks * block].reshape(n_layers, b, n_blocks, block).max(-1)
@@ -187,6 +196,13 @@ def check_score_block(block: int) -> None:
                      f"got {block!r}")
 
 
+def check_score_window(window: int) -> None:
+  """Raise a one-line ValueError unless `window` is a non-negative integer (`per_layer_topk`)."""
+  if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+    raise ValueError(f"score window must be a non-negative integer (0: every kept position "
+                     f"ranked by score), got {window!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Scoring:
   """How the vegas family scores and ranks the keys it keeps, bound once (validated here).
@@ -194,18 +210,22 @@ class Scoring:
   kind: the Collect-2 score, 'logits' (the paper's) or 'weights'; pool: each position ranks by
   the largest score within pool // 2 positions of it (odd; 1, the default: the scores as they
   are; `pool_scores`); block: the top-k keeps aligned blocks of this many positions, ranked by
-  their best score (1, the default: position by position; `per_layer_topk`). Every setting is
-  lossless: it changes what the drafts see, not the output distribution.
+  their best score (1, the default: position by position; `per_layer_topk`); window: the
+  prefix's newest `window` positions are kept whole and only the rest of the budget is ranked
+  (0, the default: every kept position ranked; `per_layer_topk`). Every setting is lossless: it
+  changes what the drafts see, not the output distribution.
   """
   kind: str = "logits"
   pool: int = SCORE_POOL
   block: int = SCORE_BLOCK
+  window: int = SCORE_WINDOW
 
   def __post_init__(self):
     if self.kind not in SCORE_KINDS:
       raise ValueError(f"score mode must be one of {', '.join(SCORE_KINDS)}, got {self.kind!r}")
     check_score_pool(self.pool)
     check_score_block(self.block)
+    check_score_window(self.window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +258,7 @@ class SelectionPolicy:
     idx, cnt, tail_start = per_layer_topk(
         pool_scores(scores, prefix, self.scoring.pool), prefix, ratio=self.ratio,
         min_tokens=self.min_tokens, k_max=self.k_max, block=self.scoring.block,
-        backend=self.backend, mesh=self.mesh)
+        window=self.scoring.window, backend=self.backend, mesh=self.mesh)
     return Sparse(indices=idx, counts=cnt, tail_start=tail_start)
 
 
