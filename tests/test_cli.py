@@ -77,6 +77,8 @@ BAD_FLAGS = [
      "--score_pool must be an odd integer >= 1, got 4"),
     (["--prompt=hi", "--method=vegas", "--score_block=0"],
      "--score_block must be an integer >= 1, got 0"),
+    (["--prompt=hi", "--method=vegas", "--score_window=-4"],
+     "--score_window must be an integer >= 0, got -4"),
     (["--prompt= "], "--prompt is empty"),
     (["--max_new_tokens=3"], "give exactly one of --prompt or --prompt_file"),
     (["--prompt=hi", "--fp8_drafts"],

@@ -28,11 +28,12 @@ def setup():
   return model, tokens
 
 
-def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score_pool=1, score_block=1):
+def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score_pool=1, score_block=1,
+           score_window=0):
   model, tokens = setup
   policy = make_policy(method, ratio=ratio, min_tokens=min_tokens,
                        k_max=static_k_max(CAPACITY, ratio, min_tokens),
-                       scoring=Scoring(pool=score_pool, block=score_block))
+                       scoring=Scoring(pool=score_pool, block=score_block, window=score_window))
   return expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
                              rounds=ROUNDS, sampling=PAPER, backend=backend)
 
@@ -68,6 +69,12 @@ def test_block_selection_selects_other_keys_and_so_draft_other_distributions(set
   plain, blocked = (_alpha(setup, "vegas", 0.1, score_block=n) for n in (1, 4))
   assert np.all((blocked >= 0) & (blocked <= 1 + 1e-5))
   assert np.abs(blocked - plain).max() > 1e-4
+
+
+def test_a_recent_window_selects_other_keys_and_so_draft_other_distributions(setup):
+  plain, windowed = (_alpha(setup, "vegas", 0.1, score_window=w) for w in (0, 4))
+  assert np.all((windowed >= 0) & (windowed <= 1 + 1e-5))
+  assert np.abs(windowed - plain).max() > 1e-4
 
 
 def test_the_kernels_give_the_references_alphas(setup):
@@ -118,6 +125,8 @@ def test_bad_settings_are_one_line_errors(setup):
     (["--score_pool=1,4"], "--score_pool: score pool must be an odd positive integer"),
     (["--score_block=1,y"], "--score_block takes positive integers, got 1,y"),
     (["--score_block=8,0"], "--score_block: score block must be a positive integer"),
+    (["--score_window=0,z"], "--score_window takes non-negative integers, got 0,z"),
+    (["--score_window=0,-8"], "--score_window: score window must be a non-negative integer"),
     (["--backend=pallas"], "--backend=pallas runs the kernels on a GPU; jax's backend here is cpu")])
 def test_the_command_refuses_bad_settings_in_one_line(tmp_path, args, message):
   out = tmp_path / "dq.json"

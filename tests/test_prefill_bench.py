@@ -56,6 +56,7 @@ def test_bad_flags_are_a_one_line_error(tmp_path):
      "prompt_buckets must be a power of two >= 1 (lengths per octave), got 6"),
     ("--score_pool=0", "--score_pool must be an odd integer >= 1, got 0"),
     ("--score_block=-2", "--score_block must be an integer >= 1, got -2"),
+    ("--score_window=-1", "--score_window must be an integer >= 0, got -1"),
 ])
 def test_throughput_refuses_bad_run_settings_before_loading(tmp_path, flag, message):
   out = tmp_path / "x.json"

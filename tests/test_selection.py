@@ -167,6 +167,42 @@ def test_block_vegas_keeps_whole_blocks_at_the_token_budget(policy_cls, block, b
   assert visible_sets(plain, prefix, 1) != visible_sets(sel, prefix, 1)
 
 
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("block, window", [(1, 5), (1, 1000), (8, 12)])
+def test_windowed_vegas_keeps_the_newest_positions_and_ranks_the_rest(block, window, backend):
+  """With a recent window the prefix's newest min(window, k) positions are the dense tail's and
+  the top-k ranks only the positions before them, for the rest of the same budget (blocks as
+  without a window, over the ranked positions)."""
+  rng = np.random.default_rng(7)
+  ratio, min_tokens = 0.2, 3
+  k_max = selection.static_k_max(S, ratio, min_tokens)
+  policy = selection.Vegas(ratio=ratio, min_tokens=min_tokens, k_max=k_max,
+                           scoring=selection.Scoring(block=block, window=window), backend=backend)
+  cache, _ = random_cache()
+  scores = jnp.asarray(rng.normal(size=(L, B, S)), jnp.bfloat16)
+  sel = policy.select_kv(cache, scores, cache.lengths, jnp.zeros((B,), jnp.int32))
+  prefix = LENGTHS + 1
+  k = np.clip(np.ceil(np.float32(ratio) * prefix), min_tokens, prefix).astype(int)
+  recent = np.minimum(window, k)
+  ranked = prefix - recent
+  np.testing.assert_array_equal(sel.tail_start, ranked // block * block)
+  for l in range(L):
+    for b in range(B):
+      c = int(sel.counts[l, b])
+      assert c == (k[b] - recent[b]) // block * block
+      want = block_reference(np.asarray(scores[l, b], np.float32), ranked[b], block,
+                             k[b] - recent[b])
+      np.testing.assert_array_equal(np.sort(np.asarray(sel.indices[l, b])[:c]), want)
+  seen = visible_sets(sel, prefix, 1)
+  if window >= k.max():      # the window holds the whole budget: the newest k positions
+    np.testing.assert_array_equal(sel.counts, 0)
+    assert seen == [set(range(p - n, p)) for p, n in zip(prefix.tolist(), k.tolist())]
+  plain = selection.Vegas(ratio=ratio, min_tokens=min_tokens, k_max=k_max,
+                          scoring=selection.Scoring(block=block), backend=backend).select_kv(
+      cache, scores, cache.lengths, jnp.zeros((B,), jnp.int32))
+  assert seen != visible_sets(plain, prefix, 1)
+
+
 def test_per_row_score_dump_matches_the_reference_row_by_row():
   cache, q = random_cache(1)
   plan = Dense(scores=ScoreSpec("weights", per_row=True))
@@ -338,6 +374,8 @@ def test_bad_settings_raise(kwargs, match):
     (dict(pool=True), "score pool must be an odd positive integer"),
     (dict(block=0), "score block must be a positive integer"),
     (dict(block=2.0), "score block must be a positive integer"),
+    (dict(window=-1), "score window must be a non-negative integer"),
+    (dict(window=1.5), "score window must be a non-negative integer"),
 ])
 def test_bad_scoring_raises(kwargs, match):
   with pytest.raises(ValueError, match=match):

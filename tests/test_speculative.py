@@ -114,6 +114,13 @@ def test_block_selection_keeps_greedy_equal_to_vanilla(model, prompts, vanilla):
   assert stats.extra["mean_accepted_tokens"] < GAMMAS[0] + 1   # some drafts were rejected
 
 
+def test_a_recent_window_keeps_greedy_equal_to_vanilla(model, prompts, vanilla):
+  out, stats = spec(model, prompts, method="vegas", gamma=GAMMAS[0], sparsity=RATIOS[0],
+                    scoring=selection.Scoring(window=3))
+  assert out == vanilla
+  assert stats.extra["mean_accepted_tokens"] < GAMMAS[0] + 1   # some drafts were rejected
+
+
 def test_acceptance_summary():
   # per sequence, rounds with a = 0, 1, 2, 3 accepted drafts: a = 0, 0, 1, 3 and a = 3
   acc = acceptance_summary(np.array([[2, 1, 0, 1], [0, 0, 0, 1]]))
