@@ -277,7 +277,7 @@ def main(argv):
   for method, pool, block, window, mlp in itertools.product(fv.methods, pools, blocks, windows,
                                                            fv.draft_mlp):
     if (pool, block, window) != (pools[0], blocks[0], windows[0]) and method not in POOLED:
-      continue   # the other policies take no scores to pool or block: the same rows again
+      continue   # the other policies take no scores to pool, block or window: the same rows again
     policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
                          k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens),
                          scoring=Scoring(pool=pool, block=block, window=window))
