@@ -55,12 +55,12 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     Collect-2. Per-row 'logits' use each row's head-summed query in one [block_k, R] product (R = T
     rounded up to 16), stored key-major [B, Hkv, S, R] f32.
   * 'weights' scores need the final log-sum-exp, known only after the combine. Where few packed
-    rows are collected (a draft step: T = 1, G heads), the main pass stores their scaled logits
-    ([Hkv, M, S] f32, the rows up to the last collected one) and XLA applies the lse after the
-    combine: ~4 bytes per row and key written and read back instead of re-reading K. Otherwise a
-    second pass (`_weights_kernel`, per row `_row_weights_kernel`) re-reads K (not V) for the
-    collected rows only; per row, each row's G heads are summed by an MMA with a 0/1 grouping
-    matrix. `weights_store` picks between the two.
+    rows are collected (a draft step: T = 1, G heads; Collect-2: 2 G), the main pass stores their
+    scaled logits ([Hkv, R, S] f32, the R collected packed rows only) and XLA applies the lse after
+    the combine: 4 bytes per collected row and key written and read back instead of re-reading K.
+    Otherwise a second pass (`_weights_kernel`, per row `_row_weights_kernel`) re-reads K (not V)
+    for the collected rows only; per row, each row's G heads are summed by an MMA with a 0/1
+    grouping matrix. `weights_store` picks between the two.
   * scores off compiles the kernel without any score code: it costs nothing extra.
   * a decode whose rows all fit one 16-row tile (T * Hq <= 16; head_dim < 128; Hkv a power of two,
     Hkv * D <= 128; no scores, no tree) runs its KV heads as one head of head_dim Hkv * D: the
@@ -215,7 +215,7 @@ def _hi_lo(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, g: int,
                    block_k: int, split_len: int, score_mode: str | None, tree: bool,
-                   store_rows: int = 0, fold: int = 1):
+                   stored: tuple[int, ...] = (), fold: int = 1):
   # len_ref  []       int32  cache entries before the T new tokens
   # q_ref    [M, D]   bf16   this KV head's query rows, row r = t*G + g, zero rows past T*G
   # k_ref    [S, D]          this KV head's keys (the BlockSpec squeezes the head; row stride Hkv*D)
@@ -232,8 +232,9 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   # l_ref    [M]      f32    softmax denominator of this split
   # and with scores: score_ref, raw logits q.k of this KV head's heads, summed:
   #   'sum'  [S] f32 over the collected rows;  'rows' [S, R] f32 per query row (column t)
-  #   or 'store' [M, S] f32: packed rows r < store_rows, each its own scaled base-2 logits (what
-  #   the softmax uses; -inf where masked), written only for the keys below kv_end
+  #   or 'store' [R * S] f32: the packed rows of the query rows `stored` (R = G * len(stored)),
+  #   each its own scaled base-2 logits (what the softmax uses; -inf where masked), slot i * G + h
+  #   for head h of stored[i], at slot * S + key, written only for the keys below kv_end
   #   or 'pad' [S] in K's dtype: the scaled base-2 logits of the tile's last row, a padding row
   #   that holds the collected rows' summed query
   # fold: the blocks every row sees run `fold` an iteration, under one rescale of the accumulator
@@ -268,6 +269,16 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
     qsum = qsum_ref[...]
   row_t = jnp.minimum(jnp.arange(m_rows) // g, t - 1)
   qk_scale = sm_scale * online_softmax.LOG2E
+  if score_mode == "store":
+    # Packed row r = t * G + h holds slot i * G + h where t = stored[i]; unstored rows get none.
+    slot_of_t = jnp.full((m_rows,), -1, jnp.int32)
+    packed_t = jnp.arange(m_rows) // g
+    for i, row in enumerate(stored):
+      slot_of_t = jnp.where(packed_t == row, i, slot_of_t)
+    store_row = (slot_of_t >= 0)[:, None]                                   # [M, 1]
+    slot = slot_of_t * g + jnp.arange(m_rows) % g
+    store_offsets = jnp.where(store_row[:, 0], slot * k_ref.shape[0],
+                              len(stored) * g * k_ref.shape[0])[:, None]
   if score_mode == "pad":
     # The last row's logits go to score_ref[j], every other row's past its end (masked off).
     pad_row = (jnp.arange(m_rows) == m_rows - 1)[:, None]                  # [M, 1]
@@ -309,10 +320,10 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       s = jnp.where(cols[None, :] <= length + row_t[:, None], s, NEG_INF)
     if score_mode == "store":
       # The softmax's own logits, so the 'weights' need no second pass over K: XLA applies the
-      # final lse to them after the combine.
-      keep = (jnp.arange(m_rows) < store_rows)[:, None]
-      plgpu.store(score_ref.at[:, pl.ds(j0, block_k)], s,
-                  mask=(keep & live[None, :]) if masked else keep)
+      # final lse to them after the combine. Only the collected rows get addresses in the buffer;
+      # the others point past its end, masked off (as the padding row's store).
+      plgpu.store(score_ref.at[store_offsets + cols[None, :]], s,
+                  mask=(store_row & live[None, :]) if masked else store_row)
     elif score_mode == "pad":
       # The summed query's row of the logit tile, each thread storing the entries it holds: a
       # store takes a value shaped like its destination, so every row gets an address, the other
@@ -435,13 +446,14 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, *refs, sm_scale: float, 
 # Unbatched pallas_call wrappers (one sequence; the public function vmaps them over the batch)
 
 def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, block_k,
-                      num_splits, score_mode, num_warps, num_stages, interpret, store_rows=0,
+                      num_splits, score_mode, num_warps, num_stages, interpret, stored=(),
                       fold=1):
   """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16 or 2R, D] or None, tree None or
   (full [], end [], bits [M]) (see _verify_kernel)
 
   -> partials o [Hkv,P,M,D], m, l [Hkv,P,M], and with scores the per-head logit sums:
-  [Hkv, S] ('sum') or [Hkv, S, R] ('rows'), or the packed rows' logits [Hkv, M, S] ('store').
+  [Hkv, S] ('sum') or [Hkv, S, R] ('rows'), or the stored rows' logits [Hkv, G * R * S]
+  ('store', R = len(stored)).
   """
   hkv, m_rows, d = q.shape
   s = k.shape[0]
@@ -449,7 +461,7 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
   p = pl.cdiv(s, split_len)
   kernel = functools.partial(_verify_kernel, sm_scale=sm_scale, t=t, g=g, block_k=block_k,
                              split_len=split_len, score_mode=score_mode, tree=tree is not None,
-                             store_rows=store_rows, fold=fold)
+                             stored=stored, fold=fold)
   in_specs = [pl.BlockSpec((), lambda h, i: ()),
               pl.BlockSpec((None, m_rows, d), lambda h, i: (h, 0, 0)),
               pl.BlockSpec((s, None, d), lambda h, i: (0, h, 0)),
@@ -472,8 +484,8 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
       out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
       out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
     elif score_mode == "store":
-      out_shape.append(jax.ShapeDtypeStruct((hkv, m_rows, s), jnp.float32))
-      out_specs.append(pl.BlockSpec((None, m_rows, s), lambda h, i: (h, 0, 0)))
+      out_shape.append(jax.ShapeDtypeStruct((hkv, len(stored) * g * s), jnp.float32))
+      out_specs.append(pl.BlockSpec((None, len(stored) * g * s), lambda h, i: (h, 0)))
     elif score_mode == "pad":
       out_shape.append(jax.ShapeDtypeStruct((hkv, s), k.dtype))
       out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
@@ -687,8 +699,9 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   `runs_heads_as_columns` is False.
   `weights_store`: collected 'weights' (not per row, no tree) from the main pass's stored logits
   rather than a second pass over K; None (the default) stores where that moves fewer bytes: the
-  packed rows up to the last collected one, written and read back in f32, against one read of K
-  (8 * rows <= D * itemsize; a draft step's T = 1 with G <= 8 at head_dim 64).
+  collected packed rows, written and read back in f32, against one read of K (8 * rows <= D *
+  itemsize: a draft step's T = 1 with G <= 8 at head_dim 64; Collect-2's 2 G rows with G <= 8 at
+  head_dim 64, G <= 16 at 128).
   `logits_store`: collected 'logits' (not per row, no tree) from the main product: the summed
   query, rounded to the queries' dtype (bf16: about 2^-9 of each entry; the product keeps it to
   about 2^-16), rides in the query tile's last row, a padding row, and the kernel stores that row
@@ -757,10 +770,9 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   row_idx = [] if rows is None else [r * g + i for r in rows for i in range(g)]   # packed rows
   r_rows = pow2_rows(t)                                  # score columns in per-row mode
   score_mode, qsum = None, None
-  store_rows = 0 if rows is None else max(row_idx) + 1
   if weights_store is None:
     weights_store = (score_kind == "weights" and not per_row and tree is None
-                     and 8 * store_rows <= d * k.dtype.itemsize)
+                     and 8 * len(row_idx) <= d * k.dtype.itemsize)
   elif weights_store and (score_kind != "weights" or per_row or tree is not None):
     raise ValueError("weights_store needs collected 'weights' scores, not per row, without a tree")
   if weights_store:
@@ -780,7 +792,8 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   elif blocks_per_rescale < 1:
     raise ValueError(f"blocks_per_rescale must be a positive integer, got {blocks_per_rescale}")
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
-                                    score_mode=score_mode, store_rows=store_rows,
+                                    score_mode=score_mode,
+                                    stored=rows if score_mode == "store" else (),
                                     fold=blocks_per_rescale,
                                     **common))(
                                         qp, k, v, lengths, qsum, tree)
@@ -823,7 +836,7 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   elif score_kind == "logits":
     per_head = outs[3]                                  # [B,Hkv,S]
   elif weights_store:
-    logits = outs[3][:, :, r_idx]                       # [B,Hkv,R*G,S], base 2, scaled
+    logits = outs[3].reshape(b, hkv, len(row_idx), s)   # [B,Hkv,R*G,S], base 2, scaled
     # Past what every collected row sees the buffer was not written: the -inf rule below drops it.
     per_head = jnp.sum(jnp.exp2(logits - lse2[:, :, r_idx, None]), axis=2)
   else:

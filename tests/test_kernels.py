@@ -120,7 +120,9 @@ STORE_CASES = [
     # T, Hq, Hkv, D, score_rows, score_heads, knobs
     (1, 7, 1, 64, (0, -1), "mean", dict(block_k=16, num_splits=3)),   # a draft step, GQA 7
     (1, 14, 2, 64, (-1,), "kv", dict(block_k=16, num_splits=2)),       # STS's rows per KV head
-    (3, 4, 2, 64, (0, -1), "mean", dict(block_k=32, num_splits=2)),    # a stored row not collected
+    (3, 4, 2, 64, (0, -1), "mean", dict(block_k=32, num_splits=2)),    # a row between the two
+    (9, 12, 2, 128, (0, -1), "mean", dict(block_k=16, num_splits=3)),  # Collect-2, the 1.5B's G
+    (5, 14, 2, 64, (0, 2, -1), "kv", dict(block_k=32, num_splits=2)),  # three rows, per KV head
 ]
 
 
@@ -250,10 +252,12 @@ def test_logits_store_is_chosen_where_a_tile_of_at_most_64_rows_has_one_free():
 
 
 def test_weights_store_is_chosen_by_the_bytes_it_moves():
-  """A draft step (T = 1, G = 7, head_dim 64) stores its logits; verification of 8 rows at G = 7
-  (448 f32 bytes a key against 128 of K) takes the second pass; bad requests are errors."""
+  """A draft step (T = 1, G = 7, head_dim 64) and Collect-2 over 8 rows (2 x 7 collected packed
+  rows: 112 f32 bytes a key against 128 of K) store their logits; all 8 rows' weights (448 bytes)
+  take the second pass; bad requests are errors."""
   assert _kernel_names(1, 7, 64, score_kind="weights") == {"verify_attention_t1_g7_d64_scores_store"}
-  names = _kernel_names(8, 7, 64, score_kind="weights")
+  assert _kernel_names(8, 7, 64, score_kind="weights") == {"verify_attention_t8_g7_d64_scores_store"}
+  names = _kernel_names(8, 7, 64, score_kind="weights", score_rows=None)
   assert "verify_attention_t8_g7_d64" in names and "verify_attention_weights_g7_d64" in names
   q = jnp.zeros((1, 2, 2, 64), jnp.bfloat16)
   k = jnp.zeros((1, 32, 1, 64), jnp.bfloat16)
