@@ -23,8 +23,10 @@ exchange is a figure free of sampling noise whose differences between methods ar
 rounds' attention is the pure-JAX reference's by default, which runs on any device; with
 `--backend=pallas` (a GPU) the verification and draft passes run the engine's kernels, whose
 Collect-2 scores are computed and rounded as the engine's are, so two trees' kernels can be
-compared on the same rounds. The passages' prefill stays on the reference. `--score_pool=1,9` runs
-the vegas family once per pooling width of its scores (`policies.pool_scores`), `--score_block=1,8`
+compared on the same rounds. The passages' prefill stays on the reference. `--score=logits,weights`
+runs the vegas family once per Collect-2 score kind (the raw logits q.k, the paper's, or the softmax
+weights), `--score_pool=1,9` once per pooling width of its scores (`policies.pool_scores`),
+`--score_block=1,8`
 once per selection block (`policies.per_layer_topk`: whole aligned blocks at the same budget),
 `--score_window=0,256` once per recent window (the newest positions kept whole, the rest of the
 same budget ranked), and `--draft_mlp=model,fp8` each method's draft passes with the model's MLP
@@ -53,8 +55,8 @@ from tqdm import tqdm
 from benchmarks import workloads
 from benchmarks.common import device_name, git_commit, write_json
 from jaxspec import cli
-from jaxspec.drafting.policies import (POOLED, SCORE_BLOCK, SCORE_POOL, SCORE_WINDOW,
-                                       SELF_DRAFTING, Scoring, SelectionPolicy,
+from jaxspec.drafting.policies import (POOLED, SCORE_BLOCK, SCORE_KINDS, SCORE_POOL,
+                                       SCORE_WINDOW, SELF_DRAFTING, Scoring, SelectionPolicy,
                                        check_score_block, check_score_pool, check_score_window,
                                        make_policy, static_k_max)
 from jaxspec.engine.runner import Runner
@@ -83,6 +85,8 @@ def define_flags() -> None:
   flags.DEFINE_float("top_p", 0.95, "1 = off")
   flags.DEFINE_integer("top_k", 20, "0 = off")
   flags.DEFINE_integer("seed", 0, "passages' and continuation's seed")
+  flags.DEFINE_list("score", [SCORE_KINDS[0]], "the vegas family's Collect-2 score kinds "
+                    f"({', '.join(SCORE_KINDS)}), each method run once per kind on the same rounds")
   flags.DEFINE_list("score_pool", [str(SCORE_POOL)], "the vegas family's score pooling widths "
                     "(`policies.pool_scores`; odd, 1: the scores as they are), each method run "
                     "once per width on the same rounds")
@@ -206,6 +210,15 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+# Each row label names the Scoring fields that vary across the run, e.g. "vegas score weights".
+_SCORING_FIELDS = {"score": "kind", "pool": "pool", "block": "block", "window": "window"}
+
+
+def _scoring_label(scoring: Scoring, scorings: list[Scoring]) -> str:
+  return "".join(f" {name} {getattr(scoring, field)}" for name, field in _SCORING_FIELDS.items()
+                 if len({getattr(s, field) for s in scorings}) > 1)
+
+
 def _checked_ints(prog: str, flag: str, values: list[str], kind: str, check) -> list[int]:
   """A list flag's integers, each passed through `check`; a one-line failure naming the flag."""
   try:
@@ -235,10 +248,14 @@ def main(argv):
       cli.fail(prog, f"{name} must be >= 1, got {value}")
   if not 1 <= fv.stride <= fv.gamma + 1:
     cli.fail(prog, f"stride must be in 1..gamma + 1 = {fv.gamma + 1}, got {fv.stride}")
+  if not fv.score or set(fv.score) - set(SCORE_KINDS):
+    cli.fail(prog, f"--score takes {' and '.join(SCORE_KINDS)}, got {fv.score}")
   pools = _checked_ints(prog, "score_pool", fv.score_pool, "odd positive", check_score_pool)
   blocks = _checked_ints(prog, "score_block", fv.score_block, "positive", check_score_block)
   windows = _checked_ints(prog, "score_window", fv.score_window, "non-negative",
                           check_score_window)
+  scorings = [Scoring(kind=kind, pool=pool, block=block, window=window)
+              for kind, pool, block, window in itertools.product(fv.score, pools, blocks, windows)]
   if not fv.draft_mlp or set(fv.draft_mlp) - set(DRAFT_MLP):
     cli.fail(prog, f"--draft_mlp takes {' and '.join(DRAFT_MLP)}, got {fv.draft_mlp}")
   if fv.temperature <= 0:
@@ -266,31 +283,28 @@ def main(argv):
   capacity = cache_capacity(tokens.shape[1])
   settings = dict(model=fv.model, dtype=fv.dtype, context=context,
                   passages=fv.passages, rounds=rounds, gamma=gamma, stride=stride,
-                  sparsity=fv.sparsity, min_tokens=fv.min_tokens, score_pools=pools,
-                  score_blocks=blocks, score_windows=windows,
+                  sparsity=fv.sparsity, min_tokens=fv.min_tokens, scores=fv.score,
+                  score_pools=pools, score_blocks=blocks, score_windows=windows,
                   backend=fv.backend,
                   sampling=dataclasses.asdict(sampling), seed=fv.seed, device=device_name(),
                   commit=git_commit(), date=datetime.date.today().isoformat(), argv=sys.argv)
   if "fp8" in fv.draft_mlp:
     add_fp8_mlps(loaded.model)
   rows, first = [], None
-  for method, pool, block, window, mlp in itertools.product(fv.methods, pools, blocks, windows,
-                                                           fv.draft_mlp):
-    if (pool, block, window) != (pools[0], blocks[0], windows[0]) and method not in POOLED:
-      continue   # the other policies take no scores to pool, block or window: the same rows again
+  for method, scoring, mlp in itertools.product(fv.methods, scorings, fv.draft_mlp):
+    shaped = method in POOLED
+    if scoring != scorings[0] and not shaped:
+      continue   # the other policies take no scores to shape: the same rows again
     policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
                          k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens),
-                         scoring=Scoring(pool=pool, block=block, window=window))
+                         scoring=scoring)
     alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
                                 rounds=rounds, sampling=sampling, cache_dtype=dtype,
                                 backend=fv.backend, fp8_mlp=mlp == "fp8", progress=True)
-    label = method + (f" pool {pool}" if len(pools) > 1 and method in POOLED else "")
-    label += f" block {block}" if len(blocks) > 1 and method in POOLED else ""
-    label += f" window {window}" if len(windows) > 1 and method in POOLED else ""
+    label = method + (_scoring_label(scoring, scorings) if shaped else "")
     rows.append(dict(method=label if mlp == "model" else f"{label} fp8", draft_mlp=mlp,
-                     score_pool=pool if method in POOLED else None,
-                     score_block=block if method in POOLED else None,
-                     score_window=window if method in POOLED else None,
+                     **{f"score_{field}": getattr(scoring, field) if shaped else None
+                        for field in _SCORING_FIELDS.values()},
                      **summary(alpha, first), alpha=alpha.round(5).tolist()))
     first = alpha if first is None else first
     write_json(fv.out, dict(settings, rows=rows))

@@ -56,7 +56,7 @@ flags.DEFINE_integer("shrink", 1, "divide every sequence length by this (smoke r
 flags.DEFINE_float("time_budget", 240, "skip the remaining cases after this many seconds")
 flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "gamma", "topp",
                                    "tree", "specattn", "sts", "sts_verify", "swiglu", "fold",
-                                   "layout"],
+                                   "layout", "weights"],
                   "full: every case; followup: a second pass of tuning variants (verify defaults, "
                   "score path, sparse T=8 knobs, small cases chained); "
                   "collect2: the verification kernel with and without Collect-2's scores, the "
@@ -82,7 +82,10 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "ga
                   "swiglu: the FP8 MLP's SwiGLU quantization against XLA's form, and the "
                   "kernel's knobs, at a draft step's 128 rows (0.5B and 1.5B); layout: a draft "
                   "step's sparse attention over the same rows scattered, in aligned blocks of 8 "
-                  "and as StreamingLLM's sinks and dense tail (0.5B and 1.5B, 128 x 24576)")
+                  "and as StreamingLLM's sinks and dense tail (0.5B and 1.5B, 128 x 24576); "
+                  "weights: Collect-2's softmax weights (--score=weights) from the main pass's "
+                  "stored logits (the default) and from a second pass over K, against its "
+                  "logits and scores off (0.5B and 1.5B, 128 x 24576, T = 9 and 10)")
 flags.DEFINE_string("sts_map", "benchmarks/results/maps/sts_map_k256.qwen2_5-coder-0_5b.json",
                     "the head map whose draft heads --plan=sts selects from")
 flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree", "rope", "swiglu"],
@@ -891,6 +894,8 @@ def main(argv):
     swiglu_plan(sh)
   elif FLAGS.plan == "layout":
     layout_plan(sh)
+  elif FLAGS.plan == "weights":
+    weights_plan(sh)
   else:
     full(q3, sh, sweep_dense, sweep_sparse)
   summary()
@@ -963,6 +968,19 @@ def collect2_plan(q3, sh):
   for t in (8, 12):     # 8: 32 packed rows fill the tile, so the defaults take the product
     dense_case(q3, 4, 131072 // sh, t, ("off", "collect2"), with_ref=False, with_torch=False,
                chain="only", variants=product)
+
+
+def weights_plan(sh):
+  """Collect-2's softmax weights at a vegas round's shapes (the 0.5B and the 1.5B at B = 128 x
+  24576, T = 9 and 10: gamma 8 and 9), 8 chained calls each: from the collected rows' logits
+  stored by the main pass (the default) and from a second pass over K, against Collect-2's logits
+  and scores off. The chained calls include XLA's epilogue (the final lse applied, the rows and
+  heads summed)."""
+  second_pass = (dict(scores="collect2-weights", weights_store=False),)
+  for m in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+    for t in (9, 10):
+      dense_case(m, 128, 24576 // sh, t, ("off", "collect2", "collect2-weights"), with_ref=False,
+                 with_torch=False, chain="only", variants=second_pass)
 
 
 def fold_plan(sh):

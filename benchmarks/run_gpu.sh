@@ -32,6 +32,8 @@
 #               SUFFIX is appended to the output file's name; FP8_DRAFTS=1 passes --fp8_drafts: the
 #               speculative methods draft on FP8 copies of the MLP weights; SCORE_POOL=W passes
 #               --score_pool=W: the vegas family pools its scores over W positions before the top-k;
+#               SCORE=weights passes --score=weights: the vegas family ranks keys by Collect-2's
+#               softmax weights rather than its logits;
 #               SCORE_BLOCK=N passes --score_block=N: its top-k keeps aligned blocks of N positions;
 #               SCORE_WINDOW=W passes --score_window=W: it keeps the newest W positions whole)
 #   prefill     one-prompt prefills (a serving refill) of 16K-32K tokens against the bf16 matmul
@@ -125,7 +127,8 @@ SCHEDULE=; [ -f /tmp/ckpt/qwen2.5-coder-1.5b/ssv_schedule.json ] && SCHEDULE=/tm
 EOS_FLAG= EOS_TAG=
 if [ "${IGNORE_EOS:-0}" = 1 ]; then EOS_FLAG=--ignore_eos EOS_TAG=_ignore_eos; fi
 FP8_FLAG=; [ "${FP8_DRAFTS:-0}" = 1 ] && FP8_FLAG=--fp8_drafts
-SCORE_FLAGS=; [ -n "${SCORE_POOL:-}" ] && SCORE_FLAGS=--score_pool=$SCORE_POOL
+SCORE_FLAGS=; [ -n "${SCORE:-}" ] && SCORE_FLAGS=--score=$SCORE
+[ -n "${SCORE_POOL:-}" ] && SCORE_FLAGS="$SCORE_FLAGS --score_pool=$SCORE_POOL"
 [ -n "${SCORE_BLOCK:-}" ] && SCORE_FLAGS="$SCORE_FLAGS --score_block=$SCORE_BLOCK"
 [ -n "${SCORE_WINDOW:-}" ] && SCORE_FLAGS="$SCORE_FLAGS --score_window=$SCORE_WINDOW"
 for step in "$@"; do

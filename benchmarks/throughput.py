@@ -450,6 +450,8 @@ def plot_title(payload: dict) -> str:
   run = [os.path.basename(str(payload["model"]).rstrip("/"))] if payload.get("model") else []
   if payload.get("fp8_drafts"):
     run.append("FP8 drafts")
+  if payload.get("score", "logits") != "logits":
+    run.append(f"Collect-2 {payload['score']}")
   if payload.get("score_pool", 1) > 1:
     run.append(f"scores pooled over {payload['score_pool']}")
   if payload.get("score_block", 1) > 1:
@@ -576,7 +578,7 @@ def main(argv):
                               top_k=sampling.top_k, seed=_SEED.value),
                 disaggregate=_DISAGGREGATE.value, attn_cap=_ATTN_CAP.value,
                 fuse_projections=_fusing(), fp8_drafts=_FP8_DRAFTS.value,
-                score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
+                score=_SCORE.value, score_pool=_SCORE_POOL.value, score_block=_SCORE_BLOCK.value,
                 score_window=_SCORE_WINDOW.value,
                 prompt_buckets=_PROMPT_BUCKETS.value,
                 argv=" ".join(sys.argv),

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.draft_quality import (cache_capacity, expected_acceptance, expected_tokens,
-                                      summary)
+from benchmarks.draft_quality import (_scoring_label, cache_capacity, expected_acceptance,
+                                      expected_tokens, summary)
 from jaxspec.drafting.policies import Scoring, make_policy, static_k_max
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.model.fp8 import add_fp8_mlps
@@ -28,12 +28,13 @@ def setup():
   return model, tokens
 
 
-def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score_pool=1, score_block=1,
-           score_window=0):
+def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score="logits", score_pool=1,
+           score_block=1, score_window=0):
   model, tokens = setup
   policy = make_policy(method, ratio=ratio, min_tokens=min_tokens,
                        k_max=static_k_max(CAPACITY, ratio, min_tokens),
-                       scoring=Scoring(pool=score_pool, block=score_block, window=score_window))
+                       scoring=Scoring(kind=score, pool=score_pool, block=score_block,
+                                       window=score_window))
   return expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
                              rounds=ROUNDS, sampling=PAPER, backend=backend)
 
@@ -59,6 +60,12 @@ def test_a_small_selection_drafts_other_distributions(setup):
   assert alpha.mean() < 0.999
 
 
+def test_softmax_weights_select_other_keys_than_logits_and_so_draft_other_distributions(setup):
+  logits, weights = (_alpha(setup, "vegas", 0.1, score=kind) for kind in ("logits", "weights"))
+  assert np.all((weights >= 0) & (weights <= 1 + 1e-5))
+  assert np.abs(weights - logits).max() > 1e-4
+
+
 def test_pooled_scores_select_other_keys_and_so_draft_other_distributions(setup):
   plain, pooled = (_alpha(setup, "vegas", 0.1, score_pool=w) for w in (1, 5))
   assert np.all((pooled >= 0) & (pooled <= 1 + 1e-5))
@@ -77,12 +84,23 @@ def test_a_recent_window_selects_other_keys_and_so_draft_other_distributions(set
   assert np.abs(windowed - plain).max() > 1e-4
 
 
-def test_the_kernels_give_the_references_alphas(setup):
+@pytest.mark.parametrize("score", ["logits", "weights"])
+def test_the_kernels_give_the_references_alphas(setup, score):
   """The rounds on the Pallas kernels (interpret mode: the verification kernel's Collect-2 scores,
-  the sparse draft kernel) give the reference's alphas, in float32, at a selection that bites."""
-  ref = _alpha(setup, "vegas", 0.1)
+  the weights from its stored logits, the sparse draft kernel) give the reference's alphas, in
+  float32, at a selection that bites."""
+  ref = _alpha(setup, "vegas", 0.1, score=score)
   assert ref.mean() < 0.999
-  np.testing.assert_allclose(_alpha(setup, "vegas", 0.1, backend="interpret"), ref, atol=1e-5)
+  np.testing.assert_allclose(_alpha(setup, "vegas", 0.1, backend="interpret", score=score), ref,
+                             atol=1e-5)
+
+
+def test_row_labels_name_the_scoring_settings_that_vary():
+  runs = [Scoring(kind=kind, block=8) for kind in ("logits", "weights")]
+  assert [_scoring_label(s, runs) for s in runs] == [" score logits", " score weights"]
+  runs = [Scoring(kind=kind, pool=pool) for kind in ("logits", "weights") for pool in (1, 9)]
+  assert _scoring_label(runs[3], runs) == " score weights pool 9"
+  assert _scoring_label(runs[0], runs[:1]) == ""
 
 
 def test_fp8_drafts_change_only_the_drafts(setup):
@@ -121,6 +139,7 @@ def test_bad_settings_are_one_line_errors(setup):
     (["--methods=vegas,magic"], "unknown self-drafting methods ['magic']"),
     (["--temperature=0"], "temperature must be > 0"),
     (["--draft_mlp=model,int4"], "--draft_mlp takes model and fp8, got ['model', 'int4']"),
+    (["--score=logits,probs"], "--score takes logits and weights, got ['logits', 'probs']"),
     (["--score_pool=1,x"], "--score_pool takes odd positive integers, got 1,x"),
     (["--score_pool=1,4"], "--score_pool: score pool must be an odd positive integer"),
     (["--score_block=1,y"], "--score_block takes positive integers, got 1,y"),

@@ -266,6 +266,8 @@ def test_results_written_before_the_field_read_ignore_eos_from_argv():
              score_pool=1, score_block=8)
   assert throughput.plot_title(new).split("\n")[1] == \
       "qwen2.5-coder-1.5b, FP8 drafts, score blocks of 8"
+  assert throughput.plot_title(dict(new, score="weights")).split("\n")[1] == \
+      "qwen2.5-coder-1.5b, FP8 drafts, Collect-2 weights, score blocks of 8"
 
 
 @pytest.fixture(scope="module")
