@@ -279,7 +279,9 @@ def check_all() -> bool:
                   # the 0.5B's Collect-2 at gamma 8: the padding row, its blocks folded
                   (9, 14, 2, 64, "logits", (0, -1)),
                   (9, 14, 2, 64, "logits", (0, -1), dict(blocks_per_rescale=4)),
-                  (9, 14, 2, 64, "logits", (0, -1), dict(block_k=32, blocks_per_rescale=3))]
+                  (9, 14, 2, 64, "logits", (0, -1), dict(block_k=32, blocks_per_rescale=3)),
+                  # Collect-2's weights from the collected rows' stored logits (1.5B, 0.5B)
+                  (10, 12, 2, 128, "weights", (0, -1)), (9, 14, 2, 64, "weights", (0, -1))]
   for (t, hq, hkv, d, kind, rows, *knobs) in verify_cases:
     if "verify" not in groups:
       break
