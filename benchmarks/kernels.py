@@ -84,8 +84,9 @@ flags.DEFINE_enum("plan", "full", ["full", "followup", "scores", "collect2", "ga
                   "step's sparse attention over the same rows scattered, in aligned blocks of 8 "
                   "and as StreamingLLM's sinks and dense tail (0.5B and 1.5B, 128 x 24576); "
                   "weights: Collect-2's softmax weights (--score=weights) from the main pass's "
-                  "stored logits (the default) and from a second pass over K, against its "
-                  "logits and scores off (0.5B and 1.5B, 128 x 24576, T = 9 and 10)")
+                  "stored logits (float16, the default; float32) and from a second pass over "
+                  "K, against its logits and scores off (0.5B and 1.5B, 128 x 24576, T = 9 and "
+                  "10)")
 flags.DEFINE_string("sts_map", "benchmarks/results/maps/sts_map_k256.qwen2_5-coder-0_5b.json",
                     "the head map whose draft heads --plan=sts selects from")
 flags.DEFINE_list("check_groups", ["verify", "sparse", "topk", "topp", "tree", "rope", "swiglu"],
@@ -977,12 +978,14 @@ def weights_plan(sh):
   24576, T = 9 and 10: gamma 8 and 9), 8 chained calls each: from the collected rows' logits
   stored by the main pass (the default) and from a second pass over K, against Collect-2's logits
   and scores off. The chained calls include XLA's epilogue (the final lse applied, the rows and
-  heads summed)."""
-  second_pass = (dict(scores="collect2-weights", weights_store=False),)
+  heads summed). The logits are stored in float16 (the default) and in float32."""
+  weights = "collect2-weights"
+  variants = (dict(scores=weights, weights_store_dtype="float32"),
+              dict(scores=weights, weights_store=False))
   for m in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
     for t in (9, 10):
-      dense_case(m, 128, 24576 // sh, t, ("off", "collect2", "collect2-weights"), with_ref=False,
-                 with_torch=False, chain="only", variants=second_pass)
+      dense_case(m, 128, 24576 // sh, t, ("off", "collect2", weights), with_ref=False,
+                 with_torch=False, chain="only", variants=variants)
 
 
 def fold_plan(sh):

@@ -56,8 +56,10 @@ the cache, so the tiling reads every K/V byte from HBM once, however many query 
     rounded up to 16), stored key-major [B, Hkv, S, R] f32.
   * 'weights' scores need the final log-sum-exp, known only after the combine. Where few packed
     rows are collected (a draft step: T = 1, G heads; Collect-2: 2 G), the main pass stores their
-    scaled logits ([Hkv, R, S] f32, the R collected packed rows only) and XLA applies the lse after
-    the combine: 4 bytes per collected row and key written and read back instead of re-reading K.
+    scaled logits ([Hkv, R, S], the R collected packed rows only; from a 16-bit cache in float16,
+    about 2^-11 of each logit, where bfloat16's 2^-8 would move a weight by up to 9% at logits
+    near 50) and XLA applies the lse after the combine: 2 bytes per collected row and key
+    written and read back instead of re-reading K.
     Otherwise a second pass (`_weights_kernel`, per row `_row_weights_kernel`) re-reads K (not V)
     for the collected rows only; per row, each row's G heads are summed by an MMA with a 0/1
     grouping matrix. `weights_store` picks between the two.
@@ -232,7 +234,7 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
   # l_ref    [M]      f32    softmax denominator of this split
   # and with scores: score_ref, raw logits q.k of this KV head's heads, summed:
   #   'sum'  [S] f32 over the collected rows;  'rows' [S, R] f32 per query row (column t)
-  #   or 'store' [R * S] f32: the packed rows of the query rows `stored` (R = G * len(stored)),
+  #   or 'store' [R * S] f16/f32: the packed rows of the query rows `stored` (R = G * len(stored)),
   #   each its own scaled base-2 logits (what the softmax uses; -inf where masked), slot i * G + h
   #   for head h of stored[i], at slot * S + key, written only for the keys below kv_end
   #   or 'pad' [S] in K's dtype: the scaled base-2 logits of the tile's last row, a padding row
@@ -322,7 +324,7 @@ def _verify_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int,
       # The softmax's own logits, so the 'weights' need no second pass over K: XLA applies the
       # final lse to them after the combine. Only the collected rows get addresses in the buffer;
       # the others point past its end, masked off (as the padding row's store).
-      plgpu.store(score_ref.at[store_offsets + cols[None, :]], s,
+      plgpu.store(score_ref.at[store_offsets + cols[None, :]], s.astype(score_ref.dtype),
                   mask=(store_row & live[None, :]) if masked else store_row)
     elif score_mode == "pad":
       # The summed query's row of the logit tile, each thread storing the entries it holds: a
@@ -447,7 +449,7 @@ def _row_weights_kernel(len_ref, q_ref, lse_ref, k_ref, *refs, sm_scale: float, 
 
 def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, block_k,
                       num_splits, score_mode, num_warps, num_stages, interpret, stored=(),
-                      fold=1):
+                      store_dtype=jnp.float16, fold=1):
   """q [Hkv, M, D], k/v [S, Hkv, D], length [], qsum [Hkv, 16 or 2R, D] or None, tree None or
   (full [], end [], bits [M]) (see _verify_kernel)
 
@@ -484,7 +486,7 @@ def _verify_unbatched(q, k, v, length, qsum=None, tree=None, *, sm_scale, t, g, 
       out_shape.append(jax.ShapeDtypeStruct((hkv, s), jnp.float32))
       out_specs.append(pl.BlockSpec((None, s), lambda h, i: (h, 0)))
     elif score_mode == "store":
-      out_shape.append(jax.ShapeDtypeStruct((hkv, len(stored) * g * s), jnp.float32))
+      out_shape.append(jax.ShapeDtypeStruct((hkv, len(stored) * g * s), store_dtype))
       out_specs.append(pl.BlockSpec((None, len(stored) * g * s), lambda h, i: (h, 0)))
     elif score_mode == "pad":
       out_shape.append(jax.ShapeDtypeStruct((hkv, s), k.dtype))
@@ -667,7 +669,8 @@ def runs_heads_as_columns(t: int, hq: int, hkv: int, d: int, score_kind: str | N
 
 @functools.partial(jax.jit, static_argnames=(
     "score_kind", "score_rows", "sm_scale", "per_row", "interpret", "block_k", "num_splits",
-    "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store", "logits_store",
+    "num_warps", "num_stages", "score_heads", "score_dtype", "weights_store",
+    "weights_store_dtype", "logits_store",
     "blocks_per_rescale"))
 def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
                      lengths: jax.Array, *,
@@ -679,6 +682,7 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
                      num_stages: int = 3, tree_bits: jax.Array | None = None,
                      score_heads: str = "mean", score_dtype=jnp.bfloat16,
                      weights_store: bool | None = None,
+                     weights_store_dtype=None,
                      logits_store: bool | None = None,
                      blocks_per_rescale: int | None = None) -> tuple[jax.Array, jax.Array | None]:
   """Pallas flash-decoding verification attention; same contract as verify_attention_reference,
@@ -699,9 +703,10 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   `runs_heads_as_columns` is False.
   `weights_store`: collected 'weights' (not per row, no tree) from the main pass's stored logits
   rather than a second pass over K; None (the default) stores where that moves fewer bytes: the
-  collected packed rows, written and read back in f32, against one read of K (8 * rows <= D *
-  itemsize: a draft step's T = 1 with G <= 8 at head_dim 64; Collect-2's 2 G rows with G <= 8 at
-  head_dim 64, G <= 16 at 128).
+  collected packed rows, written and read back in `weights_store_dtype` (None: float16 from a
+  16-bit cache, float32 from a float32 one), against one read of K (2 * itemsize * rows <= D *
+  K's itemsize: from a bf16 cache a draft step's T = 1 and Collect-2's 2 G rows at G <= 16,
+  head_dim 64).
   `logits_store`: collected 'logits' (not per row, no tree) from the main product: the summed
   query, rounded to the queries' dtype (bf16: about 2^-9 of each entry; the product keeps it to
   about 2^-16), rides in the query tile's last row, a padding row, and the kernel stores that row
@@ -770,9 +775,12 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   row_idx = [] if rows is None else [r * g + i for r in rows for i in range(g)]   # packed rows
   r_rows = pow2_rows(t)                                  # score columns in per-row mode
   score_mode, qsum = None, None
+  if weights_store_dtype is None:
+    weights_store_dtype = jnp.float16 if k.dtype.itemsize <= 2 else jnp.float32
   if weights_store is None:
     weights_store = (score_kind == "weights" and not per_row and tree is None
-                     and 8 * len(row_idx) <= d * k.dtype.itemsize)
+                     and 2 * jnp.dtype(weights_store_dtype).itemsize * len(row_idx)
+                     <= d * k.dtype.itemsize)
   elif weights_store and (score_kind != "weights" or per_row or tree is not None):
     raise ValueError("weights_store needs collected 'weights' scores, not per row, without a tree")
   if weights_store:
@@ -794,6 +802,7 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   outs = jax.vmap(functools.partial(_verify_unbatched, sm_scale=scale, t=t, g=g,
                                     score_mode=score_mode,
                                     stored=rows if score_mode == "store" else (),
+                                    store_dtype=weights_store_dtype,
                                     fold=blocks_per_rescale,
                                     **common))(
                                         qp, k, v, lengths, qsum, tree)
@@ -836,7 +845,7 @@ def verify_attention(q: jax.Array | PackedQueries, k: jax.Array, v: jax.Array,
   elif score_kind == "logits":
     per_head = outs[3]                                  # [B,Hkv,S]
   elif weights_store:
-    logits = outs[3].reshape(b, hkv, len(row_idx), s)   # [B,Hkv,R*G,S], base 2, scaled
+    logits = outs[3].reshape(b, hkv, len(row_idx), s).astype(jnp.float32)   # base 2, scaled
     # Past what every collected row sees the buffer was not written: the -inf rule below drops it.
     per_head = jnp.sum(jnp.exp2(logits - lse2[:, :, r_idx, None]), axis=2)
   else:

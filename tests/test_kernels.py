@@ -126,14 +126,17 @@ STORE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("store", [True, jnp.float32, False])
 @pytest.mark.parametrize("t,hq,hkv,d,rows,heads,knobs", STORE_CASES)
 def test_weights_from_stored_logits_equal_the_second_pass(t, hq, hkv, d, rows, heads, knobs, store):
-  """'weights' from the main pass's stored logits and from the second pass over K: both the
-  reference's, -inf exactly where a collected row does not see the key."""
+  """'weights' from the main pass's stored logits (float16 from the bf16 cache, or float32) and
+  from the second pass over K: both the reference's, -inf exactly where a collected row does not
+  see the key."""
+  knobs = dict(knobs, weights_store=store is not False)
+  if store is jnp.float32:
+    knobs["weights_store_dtype"] = jnp.float32
   _, (out, scores), (ref, ref_scores) = _verify_both(
-      t, hq, hkv, d, dict(knobs, weights_store=store), score_kind="weights", score_rows=rows,
-      score_heads=heads)
+      t, hq, hkv, d, knobs, score_kind="weights", score_rows=rows, score_heads=heads)
   assert _rel_err(out, ref) < 1e-2
   assert scores.shape == ref_scores.shape == ((_B, hkv, _S) if heads == "kv" else (_B, _S))
   sc, rs = np.asarray(scores, np.float32), np.asarray(ref_scores, np.float32)
@@ -252,9 +255,9 @@ def test_logits_store_is_chosen_where_a_tile_of_at_most_64_rows_has_one_free():
 
 
 def test_weights_store_is_chosen_by_the_bytes_it_moves():
-  """A draft step (T = 1, G = 7, head_dim 64) and Collect-2 over 8 rows (2 x 7 collected packed
-  rows: 112 f32 bytes a key against 128 of K) store their logits; all 8 rows' weights (448 bytes)
-  take the second pass; bad requests are errors."""
+  """From a bf16 cache, a draft step (T = 1, G = 7, head_dim 64) and Collect-2 over 8 rows (2 x 7
+  collected packed rows: 56 float16 bytes a key written and read, against 128 of K) store their
+  logits; all 8 rows' weights (224 bytes) take the second pass; bad requests are errors."""
   assert _kernel_names(1, 7, 64, score_kind="weights") == {"verify_attention_t1_g7_d64_scores_store"}
   assert _kernel_names(8, 7, 64, score_kind="weights") == {"verify_attention_t8_g7_d64_scores_store"}
   names = _kernel_names(8, 7, 64, score_kind="weights", score_rows=None)
