@@ -17,6 +17,13 @@ teacher-forced on that text, the same rounds for every method:
      probability alpha_i = sum_v min(p_i(v), q_i(v)), p and q under the sampling filters:
      speculative sampling's exact acceptance, given drafts 1..i-1 accepted. A round's expected
      tokens are 1 + sum_i prod_{j <= i} alpha_j.
+Method `oracle` is no policy but the bound on every per-round selection at the same budget: step 3
+first runs the gamma drafts densely, and the keys before P' with the largest softmax weight of
+their own rows (summed over the rows and query heads, per layer) are what its sparse pass sees,
+shaped as the vegas family's are (`--score_block` etc.; `--score` does not apply). Its gap to vegas
+is what better-chosen keys could still give: on a CPU at 4K-token passages +2.0 tokens a round for
+the 0.5B and +1.0 for the 1.5B over Collect-2's logits (benchmarks/RESULTS.md, sixty-fourth
+session).
 Teacher forcing feeds the text's tokens where the engine feeds the drafts' own samples, and the
 prefix moves by a fixed stride where the engine's moves by what was accepted; what it gives in
 exchange is a figure free of sampling noise whose differences between methods are paired. The
@@ -61,7 +68,7 @@ from jaxspec.drafting.policies import (POOLED, SCORE_BLOCK, SCORE_KINDS, SCORE_P
                                        make_policy, static_k_max)
 from jaxspec.engine.runner import Runner
 from jaxspec.engine.sampling import SamplingParams, probabilities
-from jaxspec.model.attention import BACKENDS, Dense
+from jaxspec.model.attention import BACKENDS, Dense, ScoreSpec
 from jaxspec.model.fp8 import add_fp8_mlps
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.model.transformer import Transformer
@@ -73,7 +80,8 @@ def define_flags() -> None:
   flags.DEFINE_string("model", "qwen2.5-coder-0.5b", "jaxspec model spec (demo name, checkpoint "
                       "dir)")
   flags.DEFINE_list("methods", ["vegas", "vegas-all", "streaming"],
-                    f"self-drafting policies ({', '.join(SELF_DRAFTING)})")
+                    f"self-drafting policies ({', '.join(SELF_DRAFTING)}), or '{ORACLE}': the "
+                    "keys the drafts' own softmax weights rank first (module docstring)")
   flags.DEFINE_integer("context", 4096, "passage tokens before the first round")
   flags.DEFINE_integer("passages", 2, "passages (one batch)")
   flags.DEFINE_integer("rounds", 24, "teacher-forced rounds per passage")
@@ -106,6 +114,7 @@ def define_flags() -> None:
 
 
 DRAFT_MLP = ("model", "fp8")
+ORACLE = "oracle"   # the drafts' own attention picks their keys (module docstring)
 _PREFILL_CHUNK = 512   # tokens per prefill pass: the reference attention's [T, S] logits stay small
 
 
@@ -125,6 +134,14 @@ def _select(policy: SelectionPolicy, cache: KVCache, scores, first_row, accepted
   return policy.select_kv(cache, scores, first_row, accepted)
 
 
+@functools.partial(jax.jit, static_argnames=("policy",))
+def _oracle_top(policy: SelectionPolicy, weights, prefix):
+  """weights [L, B, gamma, S] (each draft row's, -inf where unseen) -> the top of their sum over
+  the rows, before `prefix`."""
+  summed = jnp.where(jnp.isfinite(weights), weights.astype(jnp.float32), 0.0).sum(2)
+  return policy.top_plan(summed.astype(weights.dtype), prefix)
+
+
 def cache_capacity(positions: int) -> int:
   """The cache slots `expected_acceptance` allocates for `positions` tokens: whole 128s (Quest's
   page summaries need whole pages)."""
@@ -138,12 +155,14 @@ def _at(cache: KVCache, length: int) -> KVCache:
 def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
                         policy: SelectionPolicy, *, gamma: int, stride: int, rounds: int,
                         sampling: SamplingParams, cache_dtype=jnp.float32,
-                        backend: str = "reference", fp8_mlp: bool = False,
+                        backend: str = "reference", fp8_mlp: bool = False, oracle: bool = False,
                         progress: bool = False) -> np.ndarray:
   """alpha [rounds, B, gamma]: each draft's acceptance probability under `policy` (module doc),
   teacher-forced on tokens [B, >= context + rounds * stride + gamma + 1], the first `context` of
   which are the prompt; the rounds' attention on `backend` (the prefill's on the reference);
-  `fp8_mlp`: the draft passes' MLPs multiply by their FP8 copies (`jaxspec.model.fp8`)."""
+  `fp8_mlp`: the draft passes' MLPs multiply by their FP8 copies (`jaxspec.model.fp8`).
+  `oracle`: the drafts see the keys their own dense pass weighs most (`ORACLE`), at `policy`'s
+  budget and shaped by its `scoring` (a vegas-family policy; its scores are not used)."""
   b, n = tokens.shape
   need = context + rounds * stride + gamma + 1
   if n < need:
@@ -159,15 +178,26 @@ def expected_acceptance(model: Transformer, tokens: jax.Array, context: int,
 
   def verify(cache, p):
     return _forward(graphdef, state, _at(cache, p), tokens[:, p:p + gamma + 1],
-                    Dense(scores=policy.verify_scores), backend=backend)
+                    Dense(scores=None if oracle else policy.verify_scores), backend=backend)
+
+  def oracle_plan(cache, nxt):
+    # Each draft row's own weights over the keys before it, summed over the rows: the keys the
+    # drafts attend to most, before nxt, the tail from nxt on.
+    _, _, weights = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma],
+                             Dense(scores=ScoreSpec("weights", per_row=True)), logits=False,
+                             backend=backend)
+    return _oracle_top(policy, weights, jnp.full((b,), nxt, jnp.int32))
 
   alphas = []
   p = context
   _, cache, scores = verify(cache, p)
   for _ in tqdm(range(rounds), desc=policy.name, disable=not progress, file=sys.stderr):
     nxt = p + stride
-    plan = _select(policy, _at(cache, nxt), scores, jnp.full((b,), p, jnp.int32),
-                   jnp.full((b,), stride - 1, jnp.int32))
+    if oracle:
+      plan = oracle_plan(cache, nxt)
+    else:
+      plan = _select(policy, _at(cache, nxt), scores, jnp.full((b,), p, jnp.int32),
+                     jnp.full((b,), stride - 1, jnp.int32))
     q, _, _ = _forward(graphdef, state, _at(cache, nxt), tokens[:, nxt:nxt + gamma], plan,
                        backend=backend, fp8_mlp=fp8_mlp)
     # The drafts' K/V stay in that pass (its cache is dropped): verification writes the target's
@@ -214,9 +244,10 @@ def table(rows: list[dict]) -> str:
 _SCORING_FIELDS = {"score": "kind", "pool": "pool", "block": "block", "window": "window"}
 
 
-def _scoring_label(scoring: Scoring, scorings: list[Scoring]) -> str:
+def _scoring_label(scoring: Scoring, scorings: list[Scoring], oracle: bool = False) -> str:
   return "".join(f" {name} {getattr(scoring, field)}" for name, field in _SCORING_FIELDS.items()
-                 if len({getattr(s, field) for s in scorings}) > 1)
+                 if len({getattr(s, field) for s in scorings}) > 1
+                 and not (oracle and field == "kind"))
 
 
 def _checked_ints(prog: str, flag: str, values: list[str], kind: str, check) -> list[int]:
@@ -238,10 +269,10 @@ def main(argv):
   prog = "benchmarks.draft_quality"
   fv = flags.FLAGS
   cli.quiet_logging()
-  unknown = [m for m in fv.methods if m not in SELF_DRAFTING]
+  unknown = [m for m in fv.methods if m not in SELF_DRAFTING + (ORACLE,)]
   if unknown:
     cli.fail(prog, f"unknown self-drafting methods {unknown}; choose from "
-                   f"{', '.join(SELF_DRAFTING)}")
+                   f"{', '.join(SELF_DRAFTING + (ORACLE,))}")
   for name, value in (("context", fv.context), ("passages", fv.passages),
                       ("rounds", fv.rounds), ("gamma", fv.gamma)):
     if value < 1:
@@ -292,18 +323,24 @@ def main(argv):
     add_fp8_mlps(loaded.model)
   rows, first = [], None
   for method, scoring, mlp in itertools.product(fv.methods, scorings, fv.draft_mlp):
-    shaped = method in POOLED
+    oracle = method == ORACLE
+    shaped = method in POOLED or oracle
     if scoring != scorings[0] and not shaped:
       continue   # the other policies take no scores to shape: the same rows again
-    policy = make_policy(method, ratio=fv.sparsity, min_tokens=fv.min_tokens,
+    if oracle and scoring.kind != scorings[0].kind:
+      continue   # the oracle ranks by the drafts' own weights, whatever the score kind
+    policy = make_policy("vegas" if oracle else method, ratio=fv.sparsity,
+                         min_tokens=fv.min_tokens,
                          k_max=static_k_max(capacity, fv.sparsity, fv.min_tokens),
                          scoring=scoring)
     alpha = expected_acceptance(loaded.model, tokens, context, policy, gamma=gamma, stride=stride,
                                 rounds=rounds, sampling=sampling, cache_dtype=dtype,
-                                backend=fv.backend, fp8_mlp=mlp == "fp8", progress=True)
-    label = method + (_scoring_label(scoring, scorings) if shaped else "")
+                                backend=fv.backend, fp8_mlp=mlp == "fp8", oracle=oracle,
+                                progress=True)
+    label = method + (_scoring_label(scoring, scorings, oracle) if shaped else "")
     rows.append(dict(method=label if mlp == "model" else f"{label} fp8", draft_mlp=mlp,
-                     **{f"score_{field}": getattr(scoring, field) if shaped else None
+                     **{f"score_{field}": getattr(scoring, field)
+                        if shaped and not (oracle and field == "kind") else None
                         for field in _SCORING_FIELDS.values()},
                      **summary(alpha, first), alpha=alpha.round(5).tolist()))
     first = alpha if first is None else first

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.draft_quality import (_scoring_label, cache_capacity, expected_acceptance,
-                                      expected_tokens, summary)
+from benchmarks.draft_quality import (ORACLE, _scoring_label, cache_capacity,
+                                      expected_acceptance, expected_tokens, summary)
 from jaxspec.drafting.policies import Scoring, make_policy, static_k_max
 from jaxspec.engine.sampling import SamplingParams
 from jaxspec.model.fp8 import add_fp8_mlps
@@ -31,17 +31,18 @@ def setup():
 def _alpha(setup, method, ratio, min_tokens=4, backend="reference", score="logits", score_pool=1,
            score_block=1, score_window=0):
   model, tokens = setup
-  policy = make_policy(method, ratio=ratio, min_tokens=min_tokens,
+  oracle = method == ORACLE
+  policy = make_policy("vegas" if oracle else method, ratio=ratio, min_tokens=min_tokens,
                        k_max=static_k_max(CAPACITY, ratio, min_tokens),
                        scoring=Scoring(kind=score, pool=score_pool, block=score_block,
                                        window=score_window))
   return expected_acceptance(model, tokens, CONTEXT, policy, gamma=GAMMA, stride=STRIDE,
-                             rounds=ROUNDS, sampling=PAPER, backend=backend)
+                             rounds=ROUNDS, sampling=PAPER, backend=backend, oracle=oracle)
 
 
 @pytest.mark.parametrize("method,ratio", [("dense", 0.07), ("vegas", 1.0), ("streaming", 1.0),
                                           ("quest", 1.0), ("vegas-last", 1.0),
-                                          ("specextend", 1.0)])
+                                          ("specextend", 1.0), (ORACLE, 1.0)])
 def test_drafts_that_read_every_key_are_always_accepted(setup, method, ratio):
   """Dense drafting, or a policy keeping every key, drafts with the target's own distributions:
   alpha = 1 at every position, so the rounds' bookkeeping (positions, tails, the drafts' K/V
@@ -58,6 +59,16 @@ def test_a_small_selection_drafts_other_distributions(setup):
   alpha = _alpha(setup, "streaming", 0.05)
   assert np.all((alpha >= 0) & (alpha <= 1 + 1e-5))
   assert alpha.mean() < 0.999
+
+
+def test_the_oracle_selects_the_keys_the_drafts_weigh_most(setup):
+  """At a budget that bites the oracle's drafts differ from vegas's, and on the kernels
+  (interpret mode: the per-row weights' second pass, the sparse draft kernel) the oracle gives
+  the reference's alphas."""
+  vegas, oracle = (_alpha(setup, m, 0.1) for m in ("vegas", ORACLE))
+  assert np.all((oracle >= 0) & (oracle <= 1 + 1e-5)) and oracle.mean() < 0.999
+  assert np.abs(oracle - vegas).max() > 1e-4
+  np.testing.assert_allclose(_alpha(setup, ORACLE, 0.1, backend="interpret"), oracle, atol=1e-5)
 
 
 def test_softmax_weights_select_other_keys_than_logits_and_so_draft_other_distributions(setup):
@@ -101,6 +112,7 @@ def test_row_labels_name_the_scoring_settings_that_vary():
   runs = [Scoring(kind=kind, pool=pool) for kind in ("logits", "weights") for pool in (1, 9)]
   assert _scoring_label(runs[3], runs) == " score weights pool 9"
   assert _scoring_label(runs[0], runs[:1]) == ""
+  assert _scoring_label(runs[3], runs, oracle=True) == " pool 9"    # the oracle ranks by weights
 
 
 def test_fp8_drafts_change_only_the_drafts(setup):

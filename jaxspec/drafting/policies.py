@@ -252,7 +252,7 @@ class SelectionPolicy:
                 accepted: jax.Array) -> Plan:
     raise NotImplementedError
 
-  def _top(self, scores: jax.Array, prefix: jax.Array) -> Sparse:
+  def top_plan(self, scores: jax.Array, prefix: jax.Array) -> Sparse:
     """The vegas family's plan: the top of `scores` [L, B, S] over the first `prefix` positions,
     pooled and blocked as the policy's `scoring` says."""
     idx, cnt, tail_start = per_layer_topk(
@@ -285,7 +285,7 @@ class Vegas(SelectionPolicy):
     return ScoreSpec(self.scoring.kind, rows=self.score_rows)
 
   def select_kv(self, cache, scores, first_row, accepted):
-    return self._top(scores, first_row + 1)
+    return self.top_plan(scores, first_row + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +309,7 @@ class VegasLast(SelectionPolicy):
 
   def select_kv(self, cache, scores, first_row, accepted):
     # The keys that row saw: the whole accepted prefix.
-    return self._top(_row_of_last_accepted(scores, accepted), first_row + accepted + 1)
+    return self.top_plan(_row_of_last_accepted(scores, accepted), first_row + accepted + 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -193,8 +193,9 @@ class SpecAttnDrafter(DraftModelDrafter):
   @property
   def draft_scores(self) -> ScoreSpec:
     """The weights of the row that sampled each draft (a step's last row), in the draft layers
-    the map reads only: 'weights' add about a quarter to a collecting layer's attention at a
-    draft step (stored logits read back; benchmarks/RESULTS.md)."""
+    the map reads only: 'weights' added about a quarter to a collecting layer's attention at a
+    draft step with the stored logits in float32 (benchmarks/RESULTS.md; float16 now, half the
+    bytes, not yet timed)."""
     return ScoreSpec("weights", rows=(-1,), layers=self.spec.draft_layers)
 
   def start(self, draft: Transformer, prompts: jax.Array, prompt_lens: jax.Array,

@@ -31,7 +31,8 @@ union) with a per-head selection. One round, for a sequence whose target cache h
 Costs: a KV head's list holds at most k positions (k // P pages), so verification gathers k rows
 of K and V per KV head and layer, at either granularity, plus the gamma + 1 tail rows. The draft's
 score collection adds, per step and collecting layer, its stored logits written and read back
-(`verify_attention`'s `weights_store`: ~25% of that layer's attention at the 0.5B's shapes); the
+(`verify_attention`'s `weights_store`: ~25% of that layer's attention at the 0.5B's shapes with
+the logits in float32; they are stored in float16 now, half the bytes, not yet timed); the
 selection runs each distinct draft head's top-k and each distinct tuple of rows' union once.
 
 Row alignment and greedy equality are SpecAttn's (see its module docstring): the mask is a
