@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxspec.drafting.policies import Scoring
 from jaxspec.engine.runner import Runner, _merge, generate
 from jaxspec.model.attention import Prefill
 from jaxspec.model.config import ModelConfig
@@ -50,15 +51,18 @@ def test_every_method_keeps_its_pre_rebuild_output_and_acceptance(model, golden)
       assert stats.extra["verify_rounds"] == run["verify_rounds"], run["method"]
 
 
-@pytest.mark.parametrize("method", ["vegas", "specextend", "quest", "vegas-last"])
-def test_interpret_backend_matches_the_reference_backend(model, method):
+@pytest.mark.parametrize("method,score", [("vegas", "logits"), ("vegas", "weights"),
+                                          ("specextend", "logits"), ("quest", "logits"),
+                                          ("vegas-last", "logits")])
+def test_interpret_backend_matches_the_reference_backend(model, method, score):
   """The Pallas kernels (interpret mode) through the whole model: verification with scores
-  (summed and per-row), gathered sparse drafting, quest pages, the top-k kernel; prefill through
-  `dot_product_attention` as on a GPU. Greedy float32 output and acceptance equal the reference
-  path's."""
+  (summed, per-row, and Collect-2's weights from the stored logits), gathered sparse drafting,
+  quest pages, the top-k kernel; prefill through `dot_product_attention` as on a GPU. Greedy
+  float32 output and acceptance equal the reference path's."""
   rng = np.random.default_rng(4)
   prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (70, 23)]
-  kw = dict(method=method, gamma=3, sparsity=0.2, min_tokens=4, cache_dtype=jnp.float32)
+  kw = dict(method=method, gamma=3, sparsity=0.2, min_tokens=4, cache_dtype=jnp.float32,
+            scoring=Scoring(kind=score))
   ref, ref_stats = generate(model, prompts, max_new_tokens=12, backend="reference", **kw)
   out, stats = generate(model, prompts, max_new_tokens=12, backend="interpret", **kw)
   assert out == ref
