@@ -21,24 +21,23 @@ Method `oracle` is no policy but the bound on every per-round selection at the s
 first runs the gamma drafts densely, and the keys before P' with the largest softmax weight of
 their own rows (summed over the rows and query heads, per layer) are what its sparse pass sees,
 shaped as the vegas family's are (`--score_block` etc.; `--score` does not apply). Its gap to vegas
-is what better-chosen keys could still give: on a CPU at 4K-token passages +2.0 tokens a round for
-the 0.5B and +1.0 for the 1.5B over Collect-2's logits (benchmarks/RESULTS.md, sixty-fourth
-session).
+is what better-chosen keys could still give (benchmarks/RESULTS.md, sixty-fourth session).
+
 Teacher forcing feeds the text's tokens where the engine feeds the drafts' own samples, and the
 prefix moves by a fixed stride where the engine's moves by what was accepted; what it gives in
 exchange is a figure free of sampling noise whose differences between methods are paired. The
 rounds' attention is the pure-JAX reference's by default, which runs on any device; with
 `--backend=pallas` (a GPU) the verification and draft passes run the engine's kernels, whose
 Collect-2 scores are computed and rounded as the engine's are, so two trees' kernels can be
-compared on the same rounds. The passages' prefill stays on the reference. `--score=logits,weights`
-runs the vegas family once per Collect-2 score kind (the raw logits q.k, the paper's, or the softmax
-weights), `--score_pool=1,9` once per pooling width of its scores (`policies.pool_scores`),
-`--score_block=1,8`
-once per selection block (`policies.per_layer_topk`: whole aligned blocks at the same budget),
-`--score_window=0,256` once per recent window (the newest positions kept whole, the rest of the
-same budget ranked), and `--draft_mlp=model,fp8` each method's draft passes with the model's MLP
-weights and with FP8 copies of them (`jaxspec.model.fp8`, what `RunConfig.fp8_drafts` drafts
-with), on the same rounds.
+compared on the same rounds. The passages' prefill stays on the reference.
+
+`--score=logits,weights` runs the vegas family once per Collect-2 score kind (the raw logits q.k,
+the paper's, or the softmax weights), `--score_pool=1,9` once per pooling width of its scores
+(`policies.pool_scores`), `--score_block=1,8` once per selection block (`policies.per_layer_topk`:
+whole aligned blocks at the same budget), `--score_window=0,256` once per recent window (the
+newest positions kept whole, the rest of the same budget ranked), and `--draft_mlp=model,fp8` each
+method's draft passes with the model's MLP weights and with FP8 copies of them
+(`jaxspec.model.fp8`, what `RunConfig.fp8_drafts` drafts with), on the same rounds.
 
 Output: a markdown table on stdout (alpha by position, expected tokens a round with its standard
 error, and the paired difference from the first method), the settings and per-round alphas as
